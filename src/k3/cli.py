@@ -1,0 +1,130 @@
+"""The `k3` command line: `k3 info PRESET_OR_PATH [--json]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from k3.config import PRESETS, K3Config
+from k3.model import K3ForCausalLM
+from k3.model.accounting import cache_sizes, count_parameters, forward_flops_per_token
+
+_LABELS = {
+    "embedding": "input embedding", "lm_head": "LM head", "kda": "KDA layers", "mla": "MLA layers",
+    "norms_attn_res": "norms + AttnRes", "dense_ffn": "dense FFN", "moe_fixed": "MoE fixed parts",
+    "routed_experts": "routed experts",
+}
+_CONTEXTS = {"4K": 4096, "128K": 131072, "1M": 1048576}
+# Kimi K2 numbers from the launch article (spec §2.3)
+_K2 = {"layers": "61", "total params": "1.04 T", "activated params": "32.6 B", "training context": "128K",
+       "sequence mixing": "MLA (RoPE) in all layers", "routed experts": "384, top-8, 1 shared, width 2048",
+       "dense FFN (layer 0)": "18432", "rms_norm_eps": "1e-6", "cache per token": "35,136 numbers (61 MLA layers)"}
+
+
+def load_config(preset_or_path: str) -> K3Config:
+    if preset_or_path in PRESETS:
+        return K3Config.from_preset(preset_or_path)
+    if os.path.exists(preset_or_path):
+        return K3Config.from_json(preset_or_path)
+    raise ValueError(f"{preset_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+                     "nor a checkpoint directory / config.json")
+
+
+def _human(n: float, unit: str = "") -> str:
+    for scale, suffix in ((1e12, " T"), (1e9, " B" if not unit else " G"), (1e6, " M"), (1e3, " K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}{unit}"
+    return f"{n:.0f} {unit}".rstrip()
+
+
+def info_report(config: K3Config) -> dict:
+    """Everything `k3 info` prints, computed on a meta-device model (no memory is allocated)."""
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    params = count_parameters(model, config)
+    caches = cache_sizes(config)
+    types = config.layer_types
+    return {
+        "layers": config.num_hidden_layers, "kda_layers": types.count("kda"), "mla_layers": types.count("mla"),
+        "total_params": params.total_params, "activated_params": params.activated_params,
+        "components": {k: {"total": params.total[k], "activated": params.activated[k]} for k in params.total},
+        "mla_cache_numbers_per_token": caches.mla_numbers_per_token,
+        "mla_cache_bytes_per_token_bf16": caches.mla_bytes_per_token,
+        "kda_state_bytes_per_sequence_fp32": caches.kda_state_bytes_per_sequence,
+        "kda_conv_bytes_per_sequence_bf16": caches.kda_conv_bytes_per_sequence,
+        "cache_bytes_per_sequence": {k: caches.bytes_at(t) for k, t in _CONTEXTS.items()},
+        "forward_flops_per_token": {k: forward_flops_per_token(config, params, t) for k, t in _CONTEXTS.items()},
+    }
+
+
+def print_info(name: str, config: K3Config, r: dict) -> None:
+    c = config
+    n_blocks = -(-c.num_hidden_layers // c.attn_res_block_size)
+    last = c.num_hidden_layers - (n_blocks - 1) * c.attn_res_block_size
+    print(f"K3 architecture report: {name}")
+    print(f"  {r['layers']} decoder layers: {r['kda_layers']} KDA + {r['mla_layers']} gated NoPE MLA "
+          f"(MLA at 1-based {c.full_attn_layers}); hidden {c.hidden_size}, vocab {c.vocab_size}")
+    print(f"  KDA {c.kda_num_heads} heads x {c.kda_head_dim}; MLA {c.num_attention_heads} heads, q_lora "
+          f"{c.q_lora_rank}, kv_lora {c.kv_lora_rank}, qk {c.qk_nope_head_dim}+{c.qk_rope_head_dim}, v {c.v_head_dim}")
+    print(f"  dense SiTU FFN {c.intermediate_size} at layers < {c.first_k_dense_replace}; Stable LatentMoE: "
+          f"{c.num_experts} experts top-{c.num_experts_per_token} in latent {c.routed_expert_hidden_size} "
+          f"(width {c.moe_intermediate_size}) + {c.num_shared_experts} shared")
+    print(f"  Block AttnRes: {n_blocks} blocks of {c.attn_res_block_size} layers (last block {last}), "
+          f"output mix over {n_blocks + 1} sources")
+    print("\nParameters (spec §2.2 convention)        total                activated")
+    for key, v in r["components"].items():
+        print(f"  {_LABELS[key]:<32} {v['total']:>20,} {v['activated']:>20,}")
+    print(f"  {'text model':<32} {r['total_params']:>20,} {r['activated_params']:>20,}"
+          f"   ({_human(r['total_params'])} / {_human(r['activated_params'])})")
+    print("\nInference memory per sequence (MLA latent cache in bf16, KDA state in fp32)")
+    print(f"  MLA cache per token          {r['mla_cache_numbers_per_token']:,} numbers = "
+          f"{r['mla_cache_bytes_per_token_bf16']:,} B ({c.kv_lora_rank + c.qk_rope_head_dim} per MLA layer)")
+    print(f"  KDA recurrent state          {r['kda_state_bytes_per_sequence_fp32'] / 1e6:,.1f} MB (length-independent)")
+    print(f"  KDA short-conv windows       {r['kda_conv_bytes_per_sequence_bf16'] / 1e6:,.1f} MB")
+    for k, b in r["cache_bytes_per_sequence"].items():
+        flops = r["forward_flops_per_token"][k]
+        print(f"  at {k:>4} tokens: cache {b / 1e9:8.2f} GB   forward {_human(flops, 'FLOP')}/token")
+    print("\nKimi K2 comparison (spec §2.3)")
+    ours = {"layers": str(c.num_hidden_layers), "total params": _human(r["total_params"]),
+            "activated params": _human(r["activated_params"]), "training context": "1M (1,048,576)",
+            "sequence mixing": f"{r['kda_layers']} KDA : {r['mla_layers']} gated NoPE MLA",
+            "routed experts": f"{c.num_experts}, top-{c.num_experts_per_token}, {c.num_shared_experts} shared, "
+                              f"width {c.moe_intermediate_size}, latent {c.routed_expert_hidden_size}",
+            "dense FFN (layer 0)": str(c.intermediate_size), "rms_norm_eps": f"{c.rms_norm_eps:g}",
+            "cache per token": f"{r['mla_cache_numbers_per_token']:,} numbers ({r['mla_layers']} MLA layers)"}
+    print(f"  {'':<22} {'K2':<34} {name}")
+    for key, k2 in _K2.items():
+        print(f"  {key:<22} {k2:<34} {ours[key]}")
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    config = load_config(args.model)
+    report = info_report(config)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_info(args.model, config, report)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 in PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="architecture report: parameters, cache memory, FLOPs (meta device)")
+    p.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a checkpoint directory / config.json")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_info)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"k3 {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

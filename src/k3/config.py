@@ -1,0 +1,307 @@
+"""K3 text configuration (spec §1.1, §1.3, §1.4).
+
+`K3Config` reads and writes the released Hugging Face `config.json` verbatim: either the multimodal top level
+(`model_type: kimi_k3` with `text_config` / `vision_config`) or a text-only file. Unknown keys are kept and
+written back. Field names are the official ones; our own non-architectural knobs (§1.3) are written only when
+they differ from their defaults, so a released file round-trips unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+def k3_full_attn_layers(num_hidden_layers: int) -> list[int]:
+    """1-based MLA layer list of the K3 schedule (spec §1.4): every 4th layer plus the final layer."""
+    layers = [i for i in range(4, num_hidden_layers + 1, 4)]
+    if num_hidden_layers not in layers:
+        layers.append(num_hidden_layers)
+    return layers
+
+
+@dataclass
+class K3Config:
+    """Text-model configuration. Attribute names follow the released `text_config` (spec §1.1)."""
+
+    vocab_size: int = 163840
+    hidden_size: int = 7168
+    num_hidden_layers: int = 93
+    num_attention_heads: int = 96
+    num_key_value_heads: int = 96
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_use_nope: bool = True
+    mla_use_output_gate: bool = True
+    # KDA (`linear_attn_config` in the file)
+    kda_num_heads: int = 96
+    kda_head_dim: int = 128
+    short_conv_kernel_size: int = 4
+    kda_layers: list[int] = field(default_factory=lambda: [i for i in range(1, 94) if i not in k3_full_attn_layers(93)])
+    full_attn_layers: list[int] = field(default_factory=lambda: k3_full_attn_layers(93))
+    use_full_rank_gate: bool = True
+    gate_lower_bound: float | None = -5.0
+    # FFN / MoE
+    hidden_act: str = "situ"
+    activation_situ_beta: float | None = 4.0
+    activation_situ_linear_beta: float | None = 25.0
+    intermediate_size: int = 33792
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    num_experts: int = 896
+    num_experts_per_token: int = 16
+    num_shared_experts: int = 2
+    moe_intermediate_size: int = 3072
+    routed_expert_hidden_size: int = 3584
+    latent_moe_use_norm: bool = True
+    moe_router_activation_func: str = "sigmoid"
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0  # [U] §13.1: read from the file, 1.0 if absent
+    topk_method: str = "noaux_tc"
+    use_grouped_topk: bool = True
+    num_expert_group: int = 1
+    topk_group: int = 1
+    # depth mixing, norms, vocabulary
+    attn_res_block_size: int = 12
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02  # [U] §13.8
+    bos_token_id: int | None = 163584  # [U] §10
+    eos_token_id: int | None = 163586  # [U]
+    pad_token_id: int | None = 163839  # [U]
+    # our non-architectural knobs (§1.3); written to JSON only when not default
+    kda_chunk_size: int = 64
+    kda_impl: str = "chunk"  # "chunk" | "recurrent"
+    moe_impl: str = "grouped"  # "grouped" | "loop"
+    # everything else in the file (model_type, rope_theta, quantization_config, ...) kept verbatim
+    extra: dict[str, Any] = field(default_factory=dict)
+    # when read from a multimodal file: the top level without `text_config` (has `vision_config`)
+    multimodal: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ----------------------------------------------------------------------------------- schedule
+    def is_kda_layer(self, i: int) -> bool:
+        """0-based layer i is KDA iff i+1 is listed in `kda_layers` (spec §0.3)."""
+        return (i + 1) in self._kda_set
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+
+    @property
+    def _kda_set(self) -> frozenset[int]:
+        return frozenset(self.kda_layers)
+
+    @property
+    def layer_types(self) -> list[str]:
+        return ["kda" if self.is_kda_layer(i) else "mla" for i in range(self.num_hidden_layers)]
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    # --------------------------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Raise `ValueError` naming the field and the rule it breaks."""
+
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"K3Config.{name}: {rule} (got {getattr(self, name)!r})")
+
+        positive = (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+            "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "kda_num_heads", "kda_head_dim",
+            "short_conv_kernel_size", "intermediate_size", "moe_layer_freq", "num_experts",
+            "num_experts_per_token", "moe_intermediate_size", "routed_expert_hidden_size",
+            "attn_res_block_size", "kda_chunk_size", "num_expert_group", "topk_group",
+        )
+        for name in positive:
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "must be a positive integer")
+        need(isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0, "qk_rope_head_dim",
+             "must be a non-negative integer")
+        need(isinstance(self.num_shared_experts, int) and self.num_shared_experts >= 0, "num_shared_experts",
+             "must be a non-negative integer")
+        need(isinstance(self.first_k_dense_replace, int) and 0 <= self.first_k_dense_replace,
+             "first_k_dense_replace", "must be a non-negative integer")
+        need(self.num_key_value_heads == self.num_attention_heads, "num_key_value_heads",
+             f"must equal num_attention_heads={self.num_attention_heads} (MLA is MHA in expanded form)")
+        need(self.mla_use_nope is True, "mla_use_nope", "must be true: K3's MLA has no rotary embedding (§4)")
+        L = self.num_hidden_layers
+        for name in ("kda_layers", "full_attn_layers"):
+            v = getattr(self, name)
+            need(isinstance(v, (list, tuple)) and all(isinstance(x, int) for x in v), name,
+                 "must be a list of 1-based layer numbers")
+            need(len(set(v)) == len(v), name, "must not repeat a layer")
+            need(all(1 <= x <= L for x in v), name, f"entries must lie in 1..num_hidden_layers={L}")
+        need(not (set(self.kda_layers) & set(self.full_attn_layers)), "kda_layers",
+             f"must not share layers with full_attn_layers (both list {sorted(set(self.kda_layers) & set(self.full_attn_layers))})")
+        need(len(self.kda_layers) + len(self.full_attn_layers) == L, "kda_layers",
+             f"together with full_attn_layers must partition 1..{L}")
+        need(self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
+             f"must be <= num_experts={self.num_experts}")
+        need(self.num_experts % self.num_expert_group == 0, "num_expert_group",
+             f"must divide num_experts={self.num_experts}")
+        need(self.topk_group <= self.num_expert_group, "topk_group",
+             f"must be <= num_expert_group={self.num_expert_group}")
+        need(self.hidden_act in ("situ", "silu"), "hidden_act", "must be 'situ' or 'silu'")
+        need(self.moe_router_activation_func == "sigmoid", "moe_router_activation_func",
+             "only 'sigmoid' is supported (the released value)")
+        need(self.topk_method == "noaux_tc", "topk_method", "only 'noaux_tc' is supported (the released value)")
+        need(self.gate_lower_bound is None or self.gate_lower_bound < 0, "gate_lower_bound",
+             "must be negative (or null for the softplus decay form)")
+        for name in ("activation_situ_beta", "activation_situ_linear_beta"):
+            v = getattr(self, name)
+            need(v is None or v > 0, name, "must be positive or null")
+        need(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
+        need(self.routed_scaling_factor > 0, "routed_scaling_factor", "must be positive")
+        need(self.kda_impl in ("chunk", "recurrent"), "kda_impl", "must be 'chunk' or 'recurrent'")
+        need(self.moe_impl in ("grouped", "loop"), "moe_impl", "must be 'grouped' or 'loop'")
+        need(self.tie_word_embeddings is False, "tie_word_embeddings", "must be false (K3 has an untied lm_head)")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            v = getattr(self, name)
+            need(v is None or 0 <= v < self.vocab_size, name, f"must be a token id in 0..{self.vocab_size - 1}")
+
+    # --------------------------------------------------------------------------------------- JSON
+    def to_text_dict(self) -> dict[str, Any]:
+        """The `text_config` dict (or the whole text-only file), official names, unknown keys kept."""
+        d = copy.deepcopy(self.extra)
+        d.setdefault("model_type", "kimi_linear")
+        for f in fields(self):
+            if f.name in ("extra", "multimodal") or f.name in _LINEAR_ATTN_FIELDS:
+                continue
+            v = getattr(self, f.name)
+            if f.name in _KNOB_DEFAULTS and v == _KNOB_DEFAULTS[f.name]:
+                continue
+            d[f.name] = copy.deepcopy(v)
+        lac = d.setdefault("linear_attn_config", {})  # unknown sub-keys survive in `extra`
+        for key, name in _LAC_TO_FIELD.items():
+            lac[key] = copy.deepcopy(getattr(self, name))
+        return d
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole `config.json`: multimodal top level if read from one, else the text-only dict."""
+        text = self.to_text_dict()
+        if self.multimodal is None:
+            return text
+        top = copy.deepcopy(self.multimodal)
+        top["text_config"] = text
+        return top
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], **overrides: Any) -> "K3Config":
+        """Build from a released `config.json` dict (multimodal or text-only); unknown keys are kept."""
+        if not isinstance(d, dict):
+            raise ValueError(f"config must be a JSON object, got {type(d).__name__}")
+        multimodal = None
+        if "text_config" in d:
+            multimodal = {k: copy.deepcopy(v) for k, v in d.items() if k != "text_config"}
+            d = d["text_config"]
+        d = copy.deepcopy(d)
+        kwargs: dict[str, Any] = {}
+        lac = d.get("linear_attn_config")
+        if lac is not None:
+            if not isinstance(lac, dict):
+                raise ValueError("config field linear_attn_config must be an object")
+            kwargs.update({name: lac[key] for key, name in _LAC_TO_FIELD.items() if key in lac})
+        names = {f.name for f in fields(cls)} - {"extra", "multimodal"} - _LINEAR_ATTN_FIELDS
+        extra = {}
+        for k, v in d.items():
+            if k in names:
+                kwargs[k] = v
+            else:
+                extra[k] = v
+        # spec §6.1 / §13.1: what a file that omits these fields means
+        kwargs.setdefault("routed_scaling_factor", 1.0)
+        kwargs.setdefault("activation_situ_beta", 1.0)
+        kwargs.setdefault("activation_situ_linear_beta", None)
+        kwargs.update(overrides)
+        return cls(**kwargs, extra=extra, multimodal=multimodal)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, **overrides: Any) -> "K3Config":
+        """Read a `config.json` file, or a checkpoint directory containing one."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json at {path}")
+        with open(path, encoding="utf-8") as fh:
+            try:
+                data = json.load(fh)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(data, **overrides)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write `config.json` (to `path` if it is a directory) atomically."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(self.to_dict(), fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, path)
+
+    # ------------------------------------------------------------------------------------ presets
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "K3Config":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def replace(self, **changes: Any) -> "K3Config":
+        """A validated copy with some fields changed."""
+        kw = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
+        kw.update(changes)
+        return K3Config(**kw)
+
+
+_LAC_TO_FIELD = {
+    "num_heads": "kda_num_heads", "head_dim": "kda_head_dim", "short_conv_kernel_size": "short_conv_kernel_size",
+    "kda_layers": "kda_layers", "full_attn_layers": "full_attn_layers", "use_full_rank_gate": "use_full_rank_gate",
+    "gate_lower_bound": "gate_lower_bound",
+}
+_LINEAR_ATTN_FIELDS = frozenset(_LAC_TO_FIELD.values())
+_KNOB_DEFAULTS = {"kda_chunk_size": 64, "kda_impl": "chunk", "moe_impl": "grouped"}
+
+
+def _k3_structure(num_hidden_layers: int) -> dict[str, Any]:
+    """The layer lists of the K3 schedule ([KDA,KDA,KDA,MLA]×n + one final MLA) for any depth."""
+    full = k3_full_attn_layers(num_hidden_layers)
+    return {
+        "num_hidden_layers": num_hidden_layers,
+        "full_attn_layers": full,
+        "kda_layers": [i for i in range(1, num_hidden_layers + 1) if i not in full],
+    }
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # the released numbers (spec §1.1)
+    "k3-full": {},
+    # same structure, ~190M parameters: 13 layers = [K,K,K,M]x3 + M, AttnRes blocks of 4 (last one partial)
+    "k3-small": {
+        **_k3_structure(13), "vocab_size": 32768, "hidden_size": 512, "num_attention_heads": 8,
+        "num_key_value_heads": 8, "q_lora_rank": 192, "kv_lora_rank": 128, "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32, "v_head_dim": 64, "kda_num_heads": 8, "kda_head_dim": 64,
+        "intermediate_size": 2048, "num_experts": 32, "num_experts_per_token": 4, "moe_intermediate_size": 512,
+        "routed_expert_hidden_size": 256, "attn_res_block_size": 4, "bos_token_id": None, "eos_token_id": None,
+        "pad_token_id": None,
+    },
+    # same structure, < 10M parameters; trains on a CPU: 9 layers = [K,K,K,M]x2 + M, blocks of 4 (last partial)
+    "k3-tiny": {
+        **_k3_structure(9), "vocab_size": 4096, "hidden_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 48, "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16, "v_head_dim": 24, "kda_num_heads": 4, "kda_head_dim": 32,
+        "intermediate_size": 384, "num_experts": 16, "num_experts_per_token": 4, "moe_intermediate_size": 96,
+        "routed_expert_hidden_size": 64, "attn_res_block_size": 4, "bos_token_id": None, "eos_token_id": None,
+        "pad_token_id": None,
+    },
+}

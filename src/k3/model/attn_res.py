@@ -1,0 +1,26 @@
+"""Block Attention Residuals: the depth-mixing operator (spec §5.1, §5.3, §5.5).
+
+Shape legend: S sources, B batch, T time, D hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.model.norm import RMSNorm, rms_normalize
+
+
+def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
+    """MIX(V; γ, w) = Σ_i softmax_i(key(V_i)·(γ⊙w)) · V_i with key(V) = V/sqrt(mean(V²)+ε) (spec §5.1).
+
+    γ = `norm.weight` (a `*_res_norm` gain, [D]); w = `proj.weight[0]` (a `*_res_proj` pseudo-query, a bias-free
+    `Linear(D, 1)`, zero-initialised so every mix starts as the mean of its sources). Keys are normalised,
+    values are the raw sources, no temperature; one softmax over all sources; fp32 throughout, result cast to
+    the sources' dtype. Each source is [B, T, D]; the mix is per token.
+    """
+    V_SBTD = torch.stack(sources).float()
+    query_D = norm.weight.float() * proj.weight.float()[0]  # γ ⊙ w
+    s_SBT = rms_normalize(V_SBTD, norm.eps) @ query_D
+    p_SBT = torch.softmax(s_SBT, dim=0)
+    return torch.einsum("sbt,sbtd->btd", p_SBT, V_SBTD).to(sources[0].dtype)

@@ -1,0 +1,42 @@
+"""SiTU-GLU and the SiTU MLP used by the dense layer 0 and the shared experts (spec §6.1, §6.2, §6.5)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float | None, beta2: float | None) -> torch.Tensor:
+    """SiTU-GLU(g, u) = β₁·tanh(g/β₁)·σ(g) · β₂·tanh(u/β₂), in fp32, cast back (spec §6.1).
+
+    β₂ = None leaves the up branch uncapped. Inputs are pre-activations in the activation dtype.
+    """
+    g, u = gate.float(), up.float()
+    a = beta1 * torch.tanh(g / beta1) * torch.sigmoid(g)
+    if beta2 is not None:
+        u = beta2 * torch.tanh(u / beta2)
+    return (a * u).to(gate.dtype)
+
+
+def glu_activation(config: K3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The configured gated activation: SiTU-GLU (K3) or SwiGLU (`hidden_act = "silu"`)."""
+    if config.hidden_act == "silu":
+        return F.silu(gate) * up
+    return situ_glu(gate, up, config.activation_situ_beta, config.activation_situ_linear_beta)
+
+
+class SiTUMLP(nn.Module):
+    """y = down_proj(SiTU-GLU(gate_proj x, up_proj x)): dense FFN of layer 0, and the merged shared experts."""
+
+    def __init__(self, config: K3Config, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.config = config
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(glu_activation(self.config, self.gate_proj(x), self.up_proj(x)))

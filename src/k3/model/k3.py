@@ -1,0 +1,144 @@
+"""The K3 text model: decoder layers with Block AttnRes, `K3Model`, `K3ForCausalLM` (spec §1.4, §5.3, App. A).
+
+Shape legend: B batch, T time, D hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.attn_res import attn_res_mix
+from k3.model.ffn import SiTUMLP
+from k3.model.kda import KimiDeltaAttention
+from k3.model.mla import GatedMLA
+from k3.model.moe import MoEGate, RoutedExperts, StableLatentMoE
+from k3.model.norm import RMSNorm
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # [B, T, V]
+    loss: torch.Tensor | None = None  # mean fp32 next-token cross-entropy over labels != -100
+
+
+class K3DecoderLayer(nn.Module):
+    """Decoder layer i: KDA or MLA by the schedule, dense FFN or Stable LatentMoE, AttnRes mixes (spec §5.3)."""
+
+    def __init__(self, config: K3Config, layer_idx: int):
+        super().__init__()
+        D, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.starts_block = layer_idx % config.attn_res_block_size == 0
+        self.is_kda = config.is_kda_layer(layer_idx)
+        self.self_attn = KimiDeltaAttention(config) if self.is_kda else GatedMLA(config)
+        if config.is_moe_layer(layer_idx):
+            self.block_sparse_moe = StableLatentMoE(config)
+        else:
+            self.mlp = SiTUMLP(config, D, config.intermediate_size)
+        self.input_layernorm = RMSNorm(D, eps)
+        self.post_attention_layernorm = RMSNorm(D, eps)
+        self.self_attention_res_norm = RMSNorm(D, eps)
+        self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+        self.mlp_res_norm = RMSNorm(D, eps)
+        self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+
+    def ffn(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x_BTD) if hasattr(self, "mlp") else self.block_sparse_moe(x_BTD)
+
+    def forward(self, cur_BTD: torch.Tensor, bank: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One step of spec §5.3. `cur` is the running partial sum of the current block (the embedding before
+        layer 0); `bank` the completed sources [b₀ = embedding, b₁, …]. Returns the new (cur, bank)."""
+        prefix = cur_BTD
+        h_BTD = attn_res_mix(bank + [prefix], self.self_attention_res_norm, self.self_attention_res_proj) \
+            if bank else prefix
+        if self.starts_block:  # bank the raw, un-mixed prefix; the new block's partial sum restarts
+            bank, prefix = bank + [prefix], None
+        a_BTD = self.self_attn(self.input_layernorm(h_BTD))
+        prefix = a_BTD if prefix is None else prefix + a_BTD
+        h_BTD = attn_res_mix(bank + [prefix], self.mlp_res_norm, self.mlp_res_proj)
+        return prefix + self.ffn(self.post_attention_layernorm(h_BTD)), bank
+
+
+class K3Model(nn.Module):
+    """Embedding → decoder layers → output AttnRes mix → final norm (module `model`)."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        D = config.hidden_size
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, D)
+        self.layers = nn.ModuleList(K3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.output_attn_res_norm = RMSNorm(D, config.rms_norm_eps)
+        self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+        self.norm = RMSNorm(D, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """Final hidden states [B, T, D] after `model.norm`."""
+        cur_BTD, bank = self.embed_tokens(input_ids), []
+        for layer in self.layers:
+            cur_BTD, bank = layer(cur_BTD, bank)
+        out_BTD = attn_res_mix(bank + [cur_BTD], self.output_attn_res_norm, self.output_attn_res_proj)
+        return self.norm(out_BTD)
+
+
+class K3ForCausalLM(nn.Module):
+    """K3 text model with an untied `lm_head` and the shifted next-token loss."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config
+        self.model = K3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """From-scratch init (spec §3.9, §4.5, §5.5, §6.7): N(0, initializer_range²) for every matrix, norm
+        gains 1, AttnRes pseudo-queries 0, router bias 0, KDA gate/conv parameters as in §3.9."""
+        std = self.config.initializer_range
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, MoEGate)):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RoutedExperts):
+                for w in (module.w1, module.w2, module.w3):
+                    nn.init.normal_(w, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, KimiDeltaAttention):
+                module.reset_kda_parameters()
+            if isinstance(module, MoEGate):
+                module.e_score_correction_bias.zero_()
+            if name.endswith("_res_proj"):
+                nn.init.zeros_(module.weight)
+
+    def check_input_ids(self, input_ids: torch.Tensor) -> None:
+        """Reject anything but a [B, T] integer tensor of ids in 0..vocab_size-1, naming the bad id."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be an int64/int32 tensor, got {getattr(input_ids, 'dtype', type(input_ids))}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape [batch, time], got {tuple(input_ids.shape)}")
+        if input_ids.numel():
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            vocab = self.config.vocab_size
+            if lo < 0 or hi >= vocab:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"input_ids contains token id {bad}, outside the vocabulary 0..{vocab - 1} "
+                                 f"(vocab_size={vocab})")
+
+    def forward(self, input_ids: torch.LongTensor, labels: torch.LongTensor | None = None) -> CausalLMOutput:
+        """`labels` follow the HF convention: same shape as `input_ids`, shifted inside so position t predicts
+        token t+1; -100 is ignored. The loss is computed in fp32."""
+        self.check_input_ids(input_ids)
+        logits_BTV = self.lm_head(self.model(input_ids))
+        loss = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+            loss = F.cross_entropy(logits_BTV[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),
+                                   ignore_index=-100)
+        return CausalLMOutput(logits=logits_BTV, loss=loss)

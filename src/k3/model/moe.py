@@ -1,0 +1,144 @@
+"""Stable LatentMoE: router, routed experts in the latent space, shared experts (spec §6.3–§6.7).
+
+Shape legend: N tokens, D hidden, E routed experts, k experts per token, L latent width
+(`routed_expert_hidden_size`), M expert intermediate width, C per-expert token capacity of a batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.ffn import SiTUMLP, glu_activation
+from k3.model.norm import RMSNorm
+from k3.model.precision import KeepFP32
+
+
+class MoEGate(KeepFP32):
+    """Sigmoid router on the full-width input (module `gate`, spec §6.3).
+
+    `e_score_correction_bias` (fp32 buffer, written only by load balancing) is added to the sigmoid scores for
+    expert *selection*; the weights come from the unbiased scores, renormalised, times `routed_scaling_factor`.
+    """
+
+    fp32_names = ("e_score_correction_bias",)
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+
+    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (top-k expert indices [N, k] int64, their fp32 weights [N, k])."""
+        cfg = self.config
+        scores_NE = torch.sigmoid(x_ND.float() @ self.weight.float().t())
+        choice_NE = scores_NE + self.e_score_correction_bias  # selection only
+        if cfg.num_expert_group > 1 and cfg.topk_group < cfg.num_expert_group:
+            choice_NE = self._limit_groups(choice_NE)
+        idx_Nk = torch.topk(choice_NE, cfg.num_experts_per_token, dim=-1).indices
+        w_Nk = scores_NE.gather(-1, idx_Nk)
+        if cfg.moe_renormalize:
+            w_Nk = w_Nk / (w_Nk.sum(-1, keepdim=True) + 1e-20)
+        return idx_Nk, w_Nk * cfg.routed_scaling_factor
+
+    def _limit_groups(self, choice_NE: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing (spec §6.3 step 4): keep the `topk_group` groups with the best top-2 sums."""
+        cfg = self.config
+        N = choice_NE.shape[0]
+        grouped_NGe = choice_NE.view(N, cfg.num_expert_group, -1)
+        group_score_NG = grouped_NGe.topk(min(2, grouped_NGe.shape[-1]), dim=-1).values.sum(-1)
+        keep_NG = torch.zeros_like(group_score_NG, dtype=torch.bool)
+        keep_NG.scatter_(1, group_score_NG.topk(cfg.topk_group, dim=-1).indices, True)
+        return grouped_NGe.masked_fill(~keep_NG[..., None], float("-inf")).view(N, -1)
+
+
+class RoutedExperts(nn.Module):
+    """All routed experts of a layer, stacked (module `experts`).
+
+    `w1` (gate) and `w3` (up) are [E, M, L], `w2` (down) is [E, L, M]: slice e is expert e's `[out, in]` weight
+    (the checkpoint stores them one tensor per expert, spec §11.4).
+    """
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config
+        E, L, M = config.num_experts, config.routed_expert_hidden_size, config.moe_intermediate_size
+        self.w1 = nn.Parameter(torch.empty(E, M, L))
+        self.w3 = nn.Parameter(torch.empty(E, M, L))
+        self.w2 = nn.Parameter(torch.empty(E, L, M))
+
+    def forward(self, z_NL: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
+        """r = Σ_{e ∈ top-k} w_e · E_e(z): expert outputs in the activation dtype, weighted sum in fp32, cast."""
+        if self.config.moe_impl == "loop":
+            return self._forward_loop(z_NL, idx_Nk, w_Nk)
+        return self._forward_grouped(z_NL, idx_Nk, w_Nk)
+
+    def expert(self, e: int | torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """E_e(z) = W2_e · SiTU-GLU(W1_e z, W3_e z); with a tensor of experts `e`, z is [E', C, L] (batched)."""
+        h = glu_activation(self.config, z @ self.w1[e].transpose(-1, -2), z @ self.w3[e].transpose(-1, -2))
+        return h @ self.w2[e].transpose(-1, -2)
+
+    def _forward_grouped(self, z_NL: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
+        """Tokens grouped by expert into a padded [E', C, L] batch; one batched matmul per weight matrix."""
+        N, k = idx_Nk.shape
+        expert_A = idx_Nk.flatten()  # A = N·k (token, expert) assignments
+        order_A = torch.argsort(expert_A, stable=True)
+        expert_A, token_A, weight_A = expert_A[order_A], order_A // k, w_Nk.flatten()[order_A]
+        active, counts = torch.unique_consecutive(expert_A, return_counts=True)
+        slot_A = torch.arange(expert_A.numel(), device=z_NL.device) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts)  # position of each assignment inside its expert's group
+        row_A = torch.repeat_interleave(torch.arange(active.numel(), device=z_NL.device), counts)
+        z_ECL = z_NL.new_zeros(active.numel(), int(counts.max()) if counts.numel() else 0, z_NL.shape[-1])
+        z_ECL[row_A, slot_A] = z_NL[token_A]
+        y_AL = self.expert(active, z_ECL)[row_A, slot_A]
+        return self._combine(y_AL, token_A, weight_A, N)
+
+    def _forward_loop(self, z_NL: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
+        """Reference: one expert at a time over the tokens that chose it (spec §6.7)."""
+        token_parts, y_parts, w_parts = [], [], []
+        for e in range(self.config.num_experts):
+            token_A, slot_A = torch.nonzero(idx_Nk == e, as_tuple=True)
+            if token_A.numel():
+                token_parts.append(token_A)
+                y_parts.append(self.expert(e, z_NL[token_A]))
+                w_parts.append(w_Nk[token_A, slot_A])
+        return self._combine(torch.cat(y_parts), torch.cat(token_parts), torch.cat(w_parts), z_NL.shape[0])
+
+    @staticmethod
+    def _combine(y_AL: torch.Tensor, token_A: torch.Tensor, weight_A: torch.Tensor, N: int) -> torch.Tensor:
+        """Σ over each token's assignments of weight · expert output, accumulated in fp32 (spec §6.4 step 3)."""
+        r_NL = torch.zeros(N, y_AL.shape[-1], dtype=torch.float32, device=y_AL.device)
+        r_NL.index_add_(0, token_A, y_AL.float() * weight_A[:, None])
+        return r_NL.to(y_AL.dtype)
+
+
+class StableLatentMoE(nn.Module):
+    """MoE(x) = up(RMSNorm(Σ_e w_e·E_e(down(x)))) + Shared(x) (module `block_sparse_moe`, spec §6.6)."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config
+        D, L = config.hidden_size, config.routed_expert_hidden_size
+        self.gate = MoEGate(config)
+        self.experts = RoutedExperts(config)
+        self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
+        self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
+        if config.latent_moe_use_norm:
+            self.routed_expert_norm = RMSNorm(L, eps=config.rms_norm_eps)
+        if config.num_shared_experts:
+            # the shared experts are stored merged as one MLP of width num_shared·M (spec §6.5)
+            self.shared_experts = SiTUMLP(config, D, config.num_shared_experts * config.moe_intermediate_size)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """x is the `post_attention_layernorm` output [B, T, D]."""
+        x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+        idx_Nk, w_Nk = self.gate(x_ND)
+        r_NL = self.experts(self.routed_expert_down_proj(x_ND), idx_Nk, w_Nk)
+        if self.config.latent_moe_use_norm:
+            r_NL = self.routed_expert_norm(r_NL)
+        y_ND = self.routed_expert_up_proj(r_NL)
+        if self.config.num_shared_experts:
+            y_ND = y_ND + self.shared_experts(x_ND)
+        return y_ND.view_as(x_BTD)

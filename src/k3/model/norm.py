@@ -1,0 +1,37 @@
+"""Normalisations (spec §0.2, §0.4, §0.5).
+
+RMSNorm keeps its statistics in fp32: normalise in fp32, round to the activation dtype, then multiply by the
+gain. L2Norm puts ε inside the square root (it is not `F.normalize`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean_c(x_c²) + ε) in fp32 (no gain)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(Σ_c x_c² + ε) in fp32 (spec §0.2; KDA q/k use ε = 1e-6)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm_{w,ε}(x) = w ⊙ x / sqrt(mean(x²) + ε); statistics in fp32, gain applied in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.weight * rms_normalize(x, self.eps).to(x.dtype)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -5,12 +5,14 @@ Shape legend: B batch, T time, D hidden, V vocabulary.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3.checkpoint import load_checkpoint_state, save_checkpoint_state
 from k3.config import K3Config
 from k3.model.attn_res import attn_res_mix
 from k3.model.ffn import SiTUMLP
@@ -142,3 +144,32 @@ class K3ForCausalLM(nn.Module):
             loss = F.cross_entropy(logits_BTV[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),
                                    ignore_index=-100)
         return CausalLMOutput(logits=logits_BTV, loss=loss)
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None) -> "K3ForCausalLM":
+        """Load a directory in the released layout (spec §11): `config.json` + safetensors (sharded or not).
+
+        `dtype=None` keeps the stored dtypes; otherwise floating tensors are cast to `dtype`, except the fp32
+        set of spec §0.4, which is always fp32. MXFP4-packed routed experts are decoded.
+        """
+        config = K3Config.from_json(path)
+        with torch.device("meta"):
+            model = cls(config)
+        state = load_checkpoint_state(path, model.state_dict(), dtype=dtype)
+        model.load_state_dict(state, strict=True, assign=True)
+        return model
+
+    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int = 5 * 2**30) -> None:
+        """Write `config.json` + safetensors in the official names (`language_model.` prefix when the config
+        came from a multimodal file). Routed experts are written dense, so `quantization_config` is dropped."""
+        os.makedirs(path, exist_ok=True)
+        config = self.config
+        if "quantization_config" in config.extra or "quantization_config" in (config.multimodal or {}):
+            config = config.replace(
+                extra={k: v for k, v in config.extra.items() if k != "quantization_config"},
+                multimodal=None if config.multimodal is None else
+                {k: v for k, v in config.multimodal.items() if k != "quantization_config"})
+        save_checkpoint_state(path, self.state_dict(), config.kda_num_heads, max_shard_size=max_shard_size,
+                              prefix="" if config.multimodal is None else "language_model.")
+        config.save(path)

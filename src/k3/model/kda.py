@@ -68,8 +68,7 @@ class KimiDeltaAttention(KeepFP32):
             self.g_b_proj = nn.Linear(K, P, bias=False)
         self.o_norm = RMSNorm(K, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(P, D, bias=False)
-        for name in self.fp32_names:
-            self.get_parameter(name).data = self.get_parameter(name).data.float()
+        self.pin_fp32()
 
     @torch.no_grad()
     def reset_kda_parameters(self) -> None:

@@ -7,19 +7,24 @@ from torch import nn
 
 
 class KeepFP32(nn.Module):
-    """Base for modules whose tensors named in `fp32_names` stay fp32 through `.to(dtype)` / `.bfloat16()`.
+    """Base for modules whose tensors named in `fp32_names` never drop below fp32 (`.to(bf16)`, `.half()`).
 
     Spec §0.4: KDA `A_log`, `dt_bias`, conv weights and `o_norm`, and the router's `e_score_correction_bias`
-    are stored and used in fp32 even when the rest of the model runs in bf16.
+    are stored and used in fp32 even when the rest of the model runs in bf16. A float64 cast is allowed
+    (float64 reference runs in tests).
     """
 
     fp32_names: tuple[str, ...] = ()
 
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
+    def pin_fp32(self) -> None:
+        """Upcast the pinned tensors if they are in half precision (call at the end of `__init__`)."""
         tensors = dict(self.named_parameters()) | dict(self.named_buffers())
         for name in self.fp32_names:
             t = tensors[name]
-            if t.is_floating_point() and t.dtype != torch.float32:
+            if t.dtype in (torch.float16, torch.bfloat16):
                 t.data = t.data.float()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.pin_fp32()
         return self

@@ -1,0 +1,240 @@
+"""Translation between the model's internal state dict and the official HF tensor names (spec §11).
+
+The internal names are the official text names (§11.2, without the ``language_model.`` prefix) with two
+exceptions (§11.4 items 1-2):
+
+* KDA ``model.layers.N.self_attn.A_log`` is ``[H]`` internally and zero-padded to ``ceil(H/128)*128`` in
+  the file;
+* routed experts are stacked internally as ``model.layers.N.block_sparse_moe.experts.w{1,2,3}``
+  ``[E, out, in]`` and stored per expert as ``experts.{e}.w{1,2,3}.weight`` (dense) or
+  ``experts.{e}.w{1,2,3}.weight_packed`` + ``.weight_scale`` (MXFP4, §11.5).
+
+Translation is driven by the model's own state-dict keys, never by tensor shapes (§11.4 item 5).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol, Union
+
+import torch
+from torch import Tensor
+
+from k3.checkpoint.mxfp4 import GROUP_SIZE, decode_mxfp4
+
+LANGUAGE_MODEL_PREFIX = "language_model."
+NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")
+A_LOG_PAD_MULTIPLE = 128
+
+FP32_SUFFIXES = (
+    ".self_attn.A_log",
+    ".self_attn.dt_bias",
+    "_conv1d.weight",
+    ".self_attn.o_norm.weight",
+    ".e_score_correction_bias",
+)
+"""Tensors kept in fp32 whatever the stored or requested dtype (§0.4, §11.1). Only KDA has ``self_attn.o_norm``."""
+
+MXFP4_DECODE_DTYPE = torch.bfloat16
+"""Dtype of decoded MXFP4 experts when the caller asks for none; every FP4 x E8M0 value is exact in bf16."""
+
+_A_LOG = re.compile(r"model\.layers\.\d+\.self_attn\.A_log")
+_STACKED_EXPERTS = re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.w[123]")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model or is malformed."""
+
+
+class LazyTensor(Protocol):
+    """A stored tensor whose shape is known before its data is read (e.g. one safetensors entry)."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+    def load(self) -> Tensor: ...
+
+
+StoredTensor = Union[Tensor, LazyTensor]
+ExpectedShape = Union[Tensor, torch.Size, Sequence[int]]
+Loader = Callable[[], Tensor]
+
+
+def is_fp32_tensor(name: str) -> bool:
+    """Whether ``name`` (internal or official) belongs to the always-fp32 set of §0.4."""
+    return name.endswith(FP32_SUFFIXES)
+
+
+def padded_a_log_length(num_kda_heads: int) -> int:
+    """Length of the stored ``A_log``: the KDA head count rounded up to a multiple of 128 (§11.4 item 1)."""
+    return math.ceil(num_kda_heads / A_LOG_PAD_MULTIPLE) * A_LOG_PAD_MULTIPLE
+
+
+def expert_weight_name(stacked_name: str, expert: int, suffix: str = "weight") -> str:
+    """Official name of one expert's slice: ``...experts.w1`` -> ``...experts.{expert}.w1.{suffix}``."""
+    experts, projection = stacked_name.rsplit(".", 1)
+    return f"{experts}.{expert}.{projection}.{suffix}"
+
+
+# ----------------------------------------------------------------------------------------------- internal -> HF
+
+
+def to_hf_state_dict(state_dict: Mapping[str, Tensor], num_kda_heads: int) -> dict[str, Tensor]:
+    """Internal state dict -> official text tensors (no ``language_model.`` prefix), §11.2/§11.4.
+
+    ``A_log`` is zero-padded to ``padded_a_log_length(num_kda_heads)``; stacked experts are split into
+    per-expert views (no copies). Every other tensor is passed through unchanged.
+    """
+    hf: dict[str, Tensor] = {}
+    for name, tensor in state_dict.items():
+        if _STACKED_EXPERTS.fullmatch(name):
+            hf.update((expert_weight_name(name, e), weight) for e, weight in enumerate(tensor.unbind(0)))
+        elif _A_LOG.fullmatch(name):
+            hf[name] = _pad_a_log(name, tensor, num_kda_heads)
+        else:
+            hf[name] = tensor
+    return hf
+
+
+def _pad_a_log(name: str, a_log: Tensor, num_kda_heads: int) -> Tensor:
+    """Zero-pad an internal ``[H]`` ``A_log`` to its stored length (§11.4 item 1)."""
+    if tuple(a_log.shape) != (num_kda_heads,):
+        raise CheckpointError(f"{name}: expected [{num_kda_heads}] (KDA heads), got {list(a_log.shape)}")
+    padding = a_log.new_zeros(padded_a_log_length(num_kda_heads) - num_kda_heads)
+    return torch.cat((a_log, padding))
+
+
+# ----------------------------------------------------------------------------------------------- HF -> internal
+
+
+def from_hf_state_dict(
+    hf_tensors: Mapping[str, StoredTensor],
+    expected: Mapping[str, ExpectedShape],
+    dtype: torch.dtype | None = None,
+) -> dict[str, Tensor]:
+    """Official tensors -> internal state dict with exactly the keys and shapes of ``expected`` (§11).
+
+    ``hf_tensors`` may carry the ``language_model.`` prefix; ``vision_tower.*`` and ``mm_projector.*`` are
+    skipped (§11.1). Values may be tensors or ``LazyTensor``s: all names and shapes are checked before any
+    data is read, and every problem (missing, unexpected, mis-shaped) is reported in one ``CheckpointError``.
+
+    Dtypes: the fp32 set (``is_fp32_tensor``) always ends fp32; other floating tensors are cast to ``dtype``
+    when given, else keep their stored dtype; MXFP4 experts decode to ``dtype`` or bf16.
+    """
+    matcher = _Matcher(_text_tensors(hf_tensors))
+    loaders = {name: _plan(matcher, name, _shape_of(spec), dtype) for name, spec in expected.items()}
+    matcher.raise_on_problems()
+    return {name: load() for name, load in loaders.items()}
+
+
+def _text_tensors(hf_tensors: Mapping[str, StoredTensor]) -> dict[str, StoredTensor]:
+    """Strip ``language_model.`` and drop vision/projector tensors (§11.1)."""
+    text: dict[str, StoredTensor] = {}
+    for name, tensor in hf_tensors.items():
+        if name.startswith(NON_TEXT_PREFIXES):
+            continue
+        short = name.removeprefix(LANGUAGE_MODEL_PREFIX)
+        if short in text:
+            raise CheckpointError(f"{short} is stored both with and without the {LANGUAGE_MODEL_PREFIX!r} prefix")
+        text[short] = tensor
+    return text
+
+
+def _plan(matcher: _Matcher, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> Loader:
+    """Claim the stored tensors that make up internal tensor ``name`` and return how to build it."""
+    if _STACKED_EXPERTS.fullmatch(name):
+        num_experts, *expert_shape = shape
+        experts = [_plan_expert(matcher, name, e, tuple(expert_shape), dtype) for e in range(num_experts)]
+        return lambda: _stack(experts)
+    if _A_LOG.fullmatch(name):
+        (num_heads,) = shape
+        matcher.claim(name, (padded_a_log_length(num_heads),))
+        return lambda: _cast(name, matcher.load(name)[:num_heads].clone(), dtype)
+    matcher.claim(name, shape)
+    return lambda: _cast(name, matcher.load(name), dtype)
+
+
+def _plan_expert(
+    matcher: _Matcher, stacked_name: str, expert: int, shape: tuple[int, ...], dtype: torch.dtype | None
+) -> Loader:
+    """One expert's ``[out, in]`` matrix: stored dense (``.weight``) or as an MXFP4 pair (§11.5)."""
+    dense, packed, scale = (expert_weight_name(stacked_name, expert, suffix)
+                            for suffix in ("weight", "weight_packed", "weight_scale"))
+    if matcher.has(dense) or not (matcher.has(packed) or matcher.has(scale)):
+        matcher.claim(dense, shape)
+        return lambda: _cast(dense, matcher.load(dense), dtype)
+    out_features, in_features = shape
+    matcher.claim(packed, (out_features, in_features // 2))
+    matcher.claim(scale, (out_features, in_features // GROUP_SIZE))
+    return lambda: decode_mxfp4(matcher.load(packed), matcher.load(scale), dtype or MXFP4_DECODE_DTYPE)
+
+
+def _stack(experts: Sequence[Loader]) -> Tensor:
+    """Stack per-expert matrices into ``[E, out, in]``, holding at most one extra expert in memory."""
+    first = experts[0]()
+    stacked = torch.empty((len(experts), *first.shape), dtype=first.dtype)
+    stacked[0] = first
+    for e, load in enumerate(experts[1:], start=1):
+        stacked[e] = load()
+    return stacked
+
+
+def _cast(name: str, tensor: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """Apply the dtype rules of §0.4 / §11.1 to one loaded tensor."""
+    if not tensor.is_floating_point():
+        return tensor
+    if is_fp32_tensor(name):
+        return tensor.float()
+    return tensor if dtype is None else tensor.to(dtype)
+
+
+def _shape_of(tensor_or_shape: StoredTensor | ExpectedShape) -> tuple[int, ...]:
+    shape = getattr(tensor_or_shape, "shape", tensor_or_shape)
+    return tuple(int(n) for n in shape)
+
+
+def _format_shape(shape: Sequence[int]) -> str:
+    return f"[{', '.join(str(n) for n in shape)}]"
+
+
+class _Matcher:
+    """Hands out stored tensors by name and records every missing, mis-shaped and unclaimed one."""
+
+    def __init__(self, stored: Mapping[str, StoredTensor]) -> None:
+        self._stored = stored
+        self._claimed: set[str] = set()
+        self._missing: list[str] = []
+        self._misshaped: list[str] = []
+
+    def has(self, name: str) -> bool:
+        return name in self._stored
+
+    def claim(self, name: str, shape: tuple[int, ...]) -> None:
+        """Mark ``name`` as used, recording a problem if it is absent or not of ``shape``."""
+        if name not in self._stored:
+            self._missing.append(f"{name}: expected {_format_shape(shape)}")
+            return
+        self._claimed.add(name)
+        found = _shape_of(self._stored[name])
+        if found != shape:
+            self._misshaped.append(f"{name}: expected {_format_shape(shape)}, found {_format_shape(found)}")
+
+    def load(self, name: str) -> Tensor:
+        tensor = self._stored[name]
+        return tensor if isinstance(tensor, Tensor) else tensor.load()
+
+    def raise_on_problems(self) -> None:
+        unexpected = [f"{name}: found {_format_shape(_shape_of(tensor))}"
+                      for name, tensor in self._stored.items() if name not in self._claimed]
+        sections = [("missing", self._missing), ("unexpected", unexpected), ("mis-shaped", self._misshaped)]
+        problems = sum(len(lines) for _, lines in sections)
+        if not problems:
+            return
+        report = [f"checkpoint does not match the model ({problems} problems):"]
+        for title, lines in sections:
+            if lines:
+                report.append(f"  {title} ({len(lines)}):")
+                report.extend(f"    {line}" for line in lines)
+        raise CheckpointError("\n".join(report))

@@ -170,9 +170,12 @@ class K3Config:
 
     # --------------------------------------------------------------------------------------- JSON
     def to_text_dict(self) -> dict[str, Any]:
-        """The `text_config` dict (or the whole text-only file), official names, unknown keys kept."""
-        d = copy.deepcopy(self.extra)
-        d.setdefault("model_type", "kimi_linear")
+        """The `text_config` dict (or the whole text-only file), official names, unknown keys kept.
+
+        Key order is canonical (model_type, our fields, `linear_attn_config` after the MLA fields, then the
+        unknown keys), so save → load → save writes identical bytes.
+        """
+        d: dict[str, Any] = {"model_type": self.extra.get("model_type", "kimi_linear")}
         for f in fields(self):
             if f.name in ("extra", "multimodal") or f.name in _LINEAR_ATTN_FIELDS:
                 continue
@@ -180,9 +183,12 @@ class K3Config:
             if f.name in _KNOB_DEFAULTS and v == _KNOB_DEFAULTS[f.name]:
                 continue
             d[f.name] = copy.deepcopy(v)
-        lac = d.setdefault("linear_attn_config", {})  # unknown sub-keys survive in `extra`
-        for key, name in _LAC_TO_FIELD.items():
-            lac[key] = copy.deepcopy(getattr(self, name))
+            if f.name == "mla_use_output_gate":
+                lac = copy.deepcopy(self.extra.get("linear_attn_config", {}))  # keeps unknown sub-keys
+                d["linear_attn_config"] = lac | {key: copy.deepcopy(getattr(self, name))
+                                                 for key, name in _LAC_TO_FIELD.items()}
+        for k, v in self.extra.items():
+            d.setdefault(k, copy.deepcopy(v))
         return d
 
     def to_dict(self) -> dict[str, Any]:

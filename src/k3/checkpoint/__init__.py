@@ -5,7 +5,7 @@
 * ``decode_mxfp4`` / ``encode_mxfp4``: the MXFP4 format of the routed experts (§11.5).
 """
 
-from k3.checkpoint.hf import CheckpointError, from_hf_state_dict, to_hf_state_dict
+from k3.checkpoint.hf import CheckpointError, from_hf_state_dict, is_fp32_tensor, to_hf_state_dict
 from k3.checkpoint.io import load_checkpoint_state, save_checkpoint_state
 from k3.checkpoint.mxfp4 import decode_mxfp4, encode_mxfp4
 
@@ -14,6 +14,7 @@ __all__ = [
     "decode_mxfp4",
     "encode_mxfp4",
     "from_hf_state_dict",
+    "is_fp32_tensor",
     "load_checkpoint_state",
     "save_checkpoint_state",
     "to_hf_state_dict",

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3.checkpoint import load_checkpoint_state, save_checkpoint_state
+from k3.checkpoint import is_fp32_tensor, load_checkpoint_state, save_checkpoint_state
 from k3.config import K3Config
 from k3.model.attn_res import attn_res_mix
 from k3.model.ffn import SiTUMLP
@@ -150,13 +150,17 @@ class K3ForCausalLM(nn.Module):
     def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None) -> "K3ForCausalLM":
         """Load a directory in the released layout (spec §11): `config.json` + safetensors (sharded or not).
 
-        `dtype=None` keeps the stored dtypes; otherwise floating tensors are cast to `dtype`, except the fp32
-        set of spec §0.4, which is always fp32. MXFP4-packed routed experts are decoded.
+        `dtype=None` uses the stored dtype of `embed_tokens`; floating tensors are cast to `dtype`, except the
+        fp32 set of spec §0.4, which is always fp32. MXFP4-packed routed experts are decoded.
         """
         config = K3Config.from_json(path)
         with torch.device("meta"):
             model = cls(config)
         state = load_checkpoint_state(path, model.state_dict(), dtype=dtype)
+        if dtype is None:  # one activation dtype: the embedding's stored one (MXFP4 experts decode to bf16)
+            dtype = state["model.embed_tokens.weight"].dtype
+            state = {n: t.to(dtype) if t.is_floating_point() and not is_fp32_tensor(n) else t
+                     for n, t in state.items()}
         model.load_state_dict(state, strict=True, assign=True)
         return model
 

@@ -1,0 +1,140 @@
+"""K3ForCausalLM.from_pretrained / save_pretrained on real models in the official layout (spec §11)."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from k3 import K3Config
+from k3.checkpoint import CheckpointError, decode_mxfp4, encode_mxfp4, to_hf_state_dict
+from k3.model import K3ForCausalLM
+
+IDS = torch.tensor([[5, 17, 300, 4095, 0, 9, 42, 77, 1000, 3]])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.from_preset("k3-tiny"))
+    with torch.no_grad():  # no parameter at a symmetric default
+        for name, p in model.named_parameters():
+            if name.endswith(("_res_proj.weight", "norm.weight", "A_log")):
+                p.add_(0.1 * torch.randn_like(p))
+        for layer in model.model.layers[1:]:
+            layer.block_sparse_moe.gate.e_score_correction_bias.normal_(0, 0.05)
+    return model
+
+
+def _files(path):
+    return {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))}
+
+
+def test_round_trip_is_bit_exact(tiny, tmp_path):
+    """save → load → save reproduces every file byte for byte, and the reloaded model the logits."""
+    tiny.save_pretrained(tmp_path / "a", max_shard_size=300_000)
+    assert (tmp_path / "a" / "model.safetensors.index.json").exists()
+    loaded = K3ForCausalLM.from_pretrained(tmp_path / "a")
+    loaded.save_pretrained(tmp_path / "b", max_shard_size=300_000)
+    assert _files(tmp_path / "a") == _files(tmp_path / "b")
+    for (n1, t1), (n2, t2) in zip(tiny.state_dict().items(), loaded.state_dict().items()):
+        assert n1 == n2 and t1.dtype == t2.dtype and torch.equal(t1, t2), n1
+    assert torch.equal(tiny(IDS).logits, loaded(IDS).logits)
+
+
+def test_official_names_and_a_log_padding(tiny, tmp_path):
+    """The file uses per-expert w1/w2/w3 names and A_log padded to 128 (spec §11.2, §11.4)."""
+    tiny.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert stored["model.layers.0.self_attn.A_log"].shape == (128,)
+    assert torch.equal(stored["model.layers.0.self_attn.A_log"][4:], torch.zeros(124))
+    assert stored["model.layers.1.block_sparse_moe.experts.15.w2.weight"].shape == (64, 96)
+    assert "model.layers.3.self_attn.kv_a_proj_with_mqa.weight" in stored  # layer 3 is MLA
+    assert not any(".experts.w" in k for k in stored)
+
+
+def test_multimodal_layout_uses_prefix_and_skips_vision(tiny, tmp_path):
+    """A multimodal config saves under `language_model.`; vision tensors in the file are ignored on load."""
+    top = {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
+           "text_config": tiny.config.to_text_dict(), "vision_config": {"vt_hidden_size": 8}}
+    model = K3ForCausalLM(K3Config.from_dict(top))
+    model.load_state_dict(tiny.state_dict())
+    model.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert all(k.startswith("language_model.") for k in stored)
+    stored["vision_tower.patch_embed.proj.weight"] = torch.zeros(8, 3, 14, 14)
+    stored["mm_projector.post_norm.weight"] = torch.ones(8)
+    save_file(stored, tmp_path / "model.safetensors")
+    loaded = K3ForCausalLM.from_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["vision_config"] == {"vt_hidden_size": 8}
+    assert torch.equal(loaded(IDS).logits, tiny(IDS).logits)
+
+
+def test_mxfp4_experts_decoded_on_load(tiny, tmp_path):
+    """MXFP4-packed routed experts (weight_packed/weight_scale) load as their decoded values (spec §11.5)."""
+    hf = {k: v.contiguous() for k, v in to_hf_state_dict(tiny.state_dict(), tiny.config.kda_num_heads).items()}
+    expected = {}
+    for name in [k for k in hf if ".experts." in k]:
+        packed, scale = encode_mxfp4(hf.pop(name))
+        hf[name + "_packed"], hf[name + "_scale"] = packed, scale
+        expected[name] = (packed, scale)
+    save_file(hf, tmp_path / "model.safetensors")
+    tiny.config.replace(extra={"quantization_config": {"format": "mxfp4-pack-quantized"}}).save(tmp_path)
+    loaded = K3ForCausalLM.from_pretrained(tmp_path)
+    w2 = loaded.model.layers[2].block_sparse_moe.experts.w2
+    assert w2.dtype == torch.float32  # the stored embedding's dtype
+    assert torch.equal(w2[7], decode_mxfp4(*expected["model.layers.2.block_sparse_moe.experts.7.w2.weight"],
+                                           dtype=torch.float32))
+    original = tiny.model.layers[2].block_sparse_moe.experts.w2[7]
+    assert 0 < (w2[7] - original).abs().max() <= original.abs().max() / 4  # quantisation error bound
+    assert loaded(IDS).logits.isfinite().all()
+    loaded.save_pretrained(tmp_path / "dense")  # re-export is dense: the quantization config is dropped
+    assert "quantization_config" not in json.loads((tmp_path / "dense" / "config.json").read_text())
+
+
+def test_bf16_load_keeps_fp32_set(tiny, tmp_path):
+    """dtype=bf16 casts everything except A_log, dt_bias, conv weights, o_norm and the router bias (§0.4)."""
+    tiny.save_pretrained(tmp_path)
+    model = K3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    fp32 = {n for n, t in model.state_dict().items() if t.dtype == torch.float32}
+    assert fp32 and all(n.endswith(("A_log", "dt_bias", "_conv1d.weight", "o_norm.weight",
+                                    "e_score_correction_bias")) for n in fp32)
+    assert len(fp32) == 6 * 6 + 8  # 6 KDA layers x 6 tensors + 8 MoE layers' router bias
+    assert model(IDS).logits.dtype == torch.bfloat16
+
+
+def test_mismatches_are_listed(tiny, tmp_path):
+    """Missing, unexpected and mis-shaped tensors are reported together with names and shapes."""
+    tiny.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    del stored["model.layers.4.self_attn.q_proj.weight"]
+    stored["model.layers.4.self_attn.bogus"] = torch.zeros(3)
+    stored["lm_head.weight"] = torch.zeros(4096, 127)
+    save_file(stored, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError) as err:
+        K3ForCausalLM.from_pretrained(tmp_path)
+    msg = str(err.value)
+    assert "model.layers.4.self_attn.q_proj.weight: expected [128, 128]" in msg
+    assert "model.layers.4.self_attn.bogus: found [3]" in msg
+    assert "lm_head.weight: expected [4096, 128], found [4096, 127]" in msg
+
+
+def test_layer_type_comes_from_the_schedule(tiny, tmp_path):
+    """Declaring layer 2 MLA and layer 3 KDA in config.json makes the same tensors fail to load."""
+    tiny.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    lac = cfg["linear_attn_config"]
+    lac["kda_layers"] = [1, 2, 4, 5, 6, 7]
+    lac["full_attn_layers"] = [3, 8, 9]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="model.layers.2.self_attn.q_a_proj.weight"):
+        K3ForCausalLM.from_pretrained(tmp_path)
+
+
+def test_missing_directory_and_bad_config(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        K3ForCausalLM.from_pretrained(tmp_path / "nowhere")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        K3ForCausalLM.from_pretrained(tmp_path)

@@ -156,9 +156,10 @@ class K3Config:
         need(self.topk_method == "noaux_tc", "topk_method", "only 'noaux_tc' is supported (the released value)")
         need(self.gate_lower_bound is None or self.gate_lower_bound < 0, "gate_lower_bound",
              "must be negative (or null for the softplus decay form)")
-        for name in ("activation_situ_beta", "activation_situ_linear_beta"):
-            v = getattr(self, name)
-            need(v is None or v > 0, name, "must be positive or null")
+        need(isinstance(self.activation_situ_beta, (int, float)) and self.activation_situ_beta > 0,
+             "activation_situ_beta", "must be positive (a file that omits it means 1.0, spec §6.1)")
+        need(self.activation_situ_linear_beta is None or self.activation_situ_linear_beta > 0,
+             "activation_situ_linear_beta", "must be positive or null (uncapped)")
         need(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
         need(self.routed_scaling_factor > 0, "routed_scaling_factor", "must be positive")
         need(self.kda_impl in ("chunk", "recurrent"), "kda_impl", "must be 'chunk' or 'recurrent'")

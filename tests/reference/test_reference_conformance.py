@@ -18,25 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conformance import TINY_CONFORMANCE, build_tiny_config
 from k3 import K3Config
 from k3_reference import (VARIANTS, load_official_checkpoint, reference_attention, reference_ffn,
                           reference_logits)
 
-# spec §12.2 tiny conformance configuration (pairwise-distinct dims)
-TINY = dict(
-    vocab_size=256, hidden_size=64, num_hidden_layers=8,
-    kda_layers=[1, 2, 3, 5, 6, 7], full_attn_layers=[4, 8],
-    kda_num_heads=3, kda_head_dim=16, short_conv_kernel_size=4, use_full_rank_gate=True, gate_lower_bound=-5.0,
-    num_attention_heads=3, num_key_value_heads=3, q_lora_rank=40, kv_lora_rank=20,
-    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, mla_use_output_gate=True,
-    intermediate_size=96, first_k_dense_replace=1,
-    num_experts=8, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=20,
-    routed_expert_hidden_size=48, latent_moe_use_norm=True, moe_renormalize=True, routed_scaling_factor=2.5,
-    num_expert_group=1, topk_group=1,
-    attn_res_block_size=3, activation_situ_beta=4.0, activation_situ_linear_beta=25.0,
-    rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.15,
-    bos_token_id=None, eos_token_id=None, pad_token_id=None,
-)
+TINY = TINY_CONFORMANCE
 
 MODEL_SEED = 0  # a deterministic scan of seeds 0..39 (this file's init + randomisation) picked this one
 INPUT_SEED = 7
@@ -56,7 +43,7 @@ MIN_MARGIN_OVER_NOISE = 10.0
 
 # --------------------------------------------------------------------------------------------- helpers
 def tiny_config() -> K3Config:
-    return K3Config(**TINY)
+    return build_tiny_config()
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from k3.model.norm import RMSNorm, rms_normalize
+from k3.model.precision import fp32
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
@@ -19,8 +20,8 @@ def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) ->
     values are the raw sources, no temperature; one softmax over all sources; fp32 throughout, result cast to
     the sources' dtype. Each source is [B, T, D]; the mix is per token.
     """
-    V_SBTD = torch.stack(sources).float()
-    query_D = norm.weight.float() * proj.weight.float()[0]  # γ ⊙ w
+    V_SBTD = fp32(torch.stack(sources))
+    query_D = (norm.weight * proj.weight[0]).to(V_SBTD.dtype)  # γ ⊙ w
     s_SBT = rms_normalize(V_SBTD, norm.eps) @ query_D
     p_SBT = torch.softmax(s_SBT, dim=0)
     return torch.einsum("sbt,sbtd->btd", p_SBT, V_SBTD).to(sources[0].dtype)

@@ -20,6 +20,7 @@ from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import MoEGate, RoutedExperts, StableLatentMoE
 from k3.model.norm import RMSNorm
+from k3.model.precision import fp32
 
 
 @dataclass
@@ -141,7 +142,7 @@ class K3ForCausalLM(nn.Module):
         if labels is not None:
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
-            loss = F.cross_entropy(logits_BTV[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),
+            loss = F.cross_entropy(fp32(logits_BTV[:, :-1]).flatten(0, 1), labels[:, 1:].flatten(),
                                    ignore_index=-100)
         return CausalLMOutput(logits=logits_BTV, loss=loss)
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.norm import RMSNorm, l2_normalize, rms_normalize
-from k3.model.precision import KeepFP32
+from k3.model.precision import KeepFP32, fp32
 from k3.ops.kda import chunk_kda, recurrent_kda
 
 
@@ -24,8 +24,8 @@ def kda_decay(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Ten
     bounded (K3):   g = λ·σ(exp(A_log)·(f + dt_bias)),  λ = gate_lower_bound
     softplus form:  g = −exp(A_log)·softplus(f + dt_bias)
     """
-    A_H11 = A_log_H.float().exp()[:, None]
-    x_BTHK = f_BTHK.float() + dt_bias_HK.float()
+    A_H11 = fp32(A_log_H).exp()[:, None]
+    x_BTHK = fp32(f_BTHK) + dt_bias_HK
     if lower_bound is None:
         return -A_H11 * F.softplus(x_BTHK)
     return lower_bound * torch.sigmoid(A_H11 * x_BTHK)
@@ -34,8 +34,8 @@ def kda_decay(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Ten
 def short_conv(x_BTP: torch.Tensor, weight_P1W: torch.Tensor) -> torch.Tensor:
     """Causal depthwise conv + SiLU in fp32, cast back (spec §3.2 step 2); tap W−1 is the current token."""
     W = weight_P1W.shape[-1]
-    x_BPT = x_BTP.float().transpose(1, 2)
-    y_BPT = F.conv1d(F.pad(x_BPT, (W - 1, 0)), weight_P1W.float(), groups=weight_P1W.shape[0])
+    x_BPT = fp32(x_BTP).transpose(1, 2)
+    y_BPT = F.conv1d(F.pad(x_BPT, (W - 1, 0)), weight_P1W.to(x_BPT.dtype), groups=weight_P1W.shape[0])
     return F.silu(y_BPT).transpose(1, 2).to(x_BTP.dtype)
 
 
@@ -97,12 +97,12 @@ class KimiDeltaAttention(KeepFP32):
         q_BTHK, k_BTHK = l2_normalize(q_BTHK), l2_normalize(k_BTHK)  # fp32; the op applies K^-1/2 to q
         g_BTHK = kda_decay(self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, K), self.A_log,
                            self.dt_bias.view(H, K), self.config.gate_lower_bound)
-        beta_BTH = torch.sigmoid(self.b_proj(x_BTD).float())
+        beta_BTH = torch.sigmoid(fp32(self.b_proj(x_BTD)))
         if self.config.kda_impl == "recurrent":
             o_BTHK, _ = recurrent_kda(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH)
         else:
             o_BTHK, _ = chunk_kda(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, chunk_size=self.config.kda_chunk_size)
         z_BTHK = self.output_gate(x_BTD).view(B, T, H, K)
         # gated norm, entirely fp32: RMSNorm_{o_norm}(o) ⊙ σ(z)
-        o_BTHK = rms_normalize(o_BTHK, self.o_norm.eps) * self.o_norm.weight.float() * torch.sigmoid(z_BTHK.float())
+        o_BTHK = rms_normalize(o_BTHK, self.o_norm.eps) * self.o_norm.weight * torch.sigmoid(fp32(z_BTHK))
         return self.o_proj(o_BTHK.to(x_BTD.dtype).reshape(B, T, H * K))

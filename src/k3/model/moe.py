@@ -12,7 +12,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.ffn import SiTUMLP, glu_activation
 from k3.model.norm import RMSNorm
-from k3.model.precision import KeepFP32
+from k3.model.precision import KeepFP32, fp32
 
 
 class MoEGate(KeepFP32):
@@ -33,7 +33,8 @@ class MoEGate(KeepFP32):
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (top-k expert indices [N, k] int64, their fp32 weights [N, k])."""
         cfg = self.config
-        scores_NE = torch.sigmoid(x_ND.float() @ self.weight.float().t())
+        x_ND = fp32(x_ND)
+        scores_NE = torch.sigmoid(x_ND @ self.weight.to(x_ND.dtype).t())
         choice_NE = scores_NE + self.e_score_correction_bias  # selection only
         if cfg.num_expert_group > 1 and cfg.topk_group < cfg.num_expert_group:
             choice_NE = self._limit_groups(choice_NE)
@@ -109,9 +110,11 @@ class RoutedExperts(nn.Module):
     @staticmethod
     def _combine(y_AL: torch.Tensor, token_A: torch.Tensor, weight_A: torch.Tensor, N: int) -> torch.Tensor:
         """Σ over each token's assignments of weight · expert output, accumulated in fp32 (spec §6.4 step 3)."""
-        r_NL = torch.zeros(N, y_AL.shape[-1], dtype=torch.float32, device=y_AL.device)
-        r_NL.index_add_(0, token_A, y_AL.float() * weight_A[:, None])
-        return r_NL.to(y_AL.dtype)
+        dtype = y_AL.dtype
+        y_AL = fp32(y_AL)
+        r_NL = y_AL.new_zeros(N, y_AL.shape[-1])
+        r_NL.index_add_(0, token_A, y_AL * weight_A[:, None].to(y_AL.dtype))
+        return r_NL.to(dtype)
 
 
 class StableLatentMoE(nn.Module):

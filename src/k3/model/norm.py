@@ -9,16 +9,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3.model.precision import fp32
+
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean_c(x_c²) + ε) in fp32 (no gain)."""
-    x = x.float()
+    x = fp32(x)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(Σ_c x_c² + ε) in fp32 (spec §0.2; KDA q/k use ε = 1e-6)."""
-    x = x.float()
+    x = fp32(x)
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 

@@ -6,6 +6,15 @@ import torch
 from torch import nn
 
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def fp32(x: torch.Tensor) -> torch.Tensor:
+    """x for an "in fp32" computation of spec §0.4: half precision is upcast, fp32 and float64 are kept (so a
+    float64 model is a true float64 reference)."""
+    return x.float() if x.dtype in HALF_DTYPES else x
+
+
 class KeepFP32(nn.Module):
     """Base for modules whose tensors named in `fp32_names` never drop below fp32 (`.to(bf16)`, `.half()`).
 
@@ -21,7 +30,7 @@ class KeepFP32(nn.Module):
         tensors = dict(self.named_parameters()) | dict(self.named_buffers())
         for name in self.fp32_names:
             t = tensors[name]
-            if t.dtype in (torch.float16, torch.bfloat16):
+            if t.dtype in HALF_DTYPES:
                 t.data = t.data.float()
 
     def _apply(self, fn, recurse=True):

@@ -1,0 +1,52 @@
+"""The spec §12.2 tiny conformance configuration, shared by the test modules (importable: tests/ is on sys.path)."""
+
+from __future__ import annotations
+
+from k3.config import K3Config
+
+# spec §12.2: pairwise-distinct dims, same layer pattern and mechanisms as K3
+TINY_CONFORMANCE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=8,
+    kda_layers=[1, 2, 3, 5, 6, 7],
+    full_attn_layers=[4, 8],
+    kda_num_heads=3,
+    kda_head_dim=16,
+    short_conv_kernel_size=4,
+    use_full_rank_gate=True,
+    gate_lower_bound=-5.0,
+    num_attention_heads=3,
+    num_key_value_heads=3,
+    q_lora_rank=40,
+    kv_lora_rank=20,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    mla_use_output_gate=True,
+    intermediate_size=96,
+    first_k_dense_replace=1,
+    num_experts=8,
+    num_experts_per_token=2,
+    num_shared_experts=2,
+    moe_intermediate_size=20,
+    routed_expert_hidden_size=48,
+    latent_moe_use_norm=True,
+    moe_renormalize=True,
+    routed_scaling_factor=2.5,
+    num_expert_group=1,
+    topk_group=1,
+    attn_res_block_size=3,
+    activation_situ_beta=4.0,
+    activation_situ_linear_beta=25.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    initializer_range=0.15,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def build_tiny_config(**overrides) -> K3Config:
+    return K3Config(**{**TINY_CONFORMANCE, **overrides})

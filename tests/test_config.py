@@ -1,0 +1,330 @@
+"""K3Config: presets, verbatim JSON round trip, validation, defaults for missing fields (spec §1.1–§1.4, §6.1)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+
+import pytest
+import torch
+
+from k3.config import PRESETS, K3Config
+from k3.model import K3ForCausalLM
+from k3.model.accounting import count_parameters
+
+
+# --------------------------------------------------------------------------------------------- fixtures
+def released_text_config() -> dict:
+    """`text_config` as released (spec §1.1), with legacy / unused / unknown keys that must survive."""
+    full = [4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 93]
+    return {
+        "model_type": "kimi_linear",
+        "architectures": ["KimiLinearForCausalLM"],
+        "vocab_size": 163840,
+        "hidden_size": 7168,
+        "num_hidden_layers": 93,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 96,
+        "head_dim": 72,  # legacy, unused
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "mla_use_nope": True,
+        "mla_use_output_gate": True,
+        "rope_theta": 50000.0,
+        "rope_scaling": None,
+        "linear_attn_config": {
+            "num_heads": 96,
+            "head_dim": 128,
+            "short_conv_kernel_size": 4,
+            "kda_layers": [i for i in range(1, 94) if i not in full],
+            "full_attn_layers": full,
+            "use_full_rank_gate": True,
+            "gate_lower_bound": -5.0,
+            "some_future_subkey": {"a": [1, 2]},
+        },
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "intermediate_size": 33792,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_experts": 896,
+        "num_experts_per_token": 16,
+        "num_shared_experts": 2,
+        "moe_intermediate_size": 3072,
+        "routed_expert_hidden_size": 3584,
+        "latent_moe_use_norm": True,
+        "moe_router_activation_func": "sigmoid",
+        "moe_renormalize": True,
+        "routed_scaling_factor": 2.5,
+        "topk_method": "noaux_tc",
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "attn_res_block_size": 12,
+        "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 1048576,
+        "num_nextn_predict_layers": 0,
+        "initializer_range": 0.02,
+        "bos_token_id": 163584,
+        "eos_token_id": 163586,
+        "pad_token_id": 163839,
+        "torch_dtype": "bfloat16",
+        "attention_dropout": 0.0,
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "format": "mxfp4-pack-quantized",
+            "config_groups": {"group_0": {"targets": ["re:.*experts\\.\\d+\\.w[123]$"]}},
+        },
+    }
+
+
+def released_multimodal_config() -> dict:
+    return {
+        "model_type": "kimi_k3",
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "text_config": released_text_config(),
+        "vision_config": {
+            "model_type": "kimi_k3_vision",
+            "patch_size": 14,
+            "vt_hidden_size": 1024,
+            "vt_num_hidden_layers": 27,
+            "merge_kernel_size": [2, 2],
+            "projector_ln_eps": 1e-5,
+        },
+        "media_placeholder_token_id": 163605,
+        "ignore_index": -100,
+        "tie_word_embeddings": False,
+        "a_future_top_level_key": {"nested": True},
+    }
+
+
+def tiny_text_config_file() -> dict:
+    """A text-only file whose values all differ from the K3 defaults (so parsing is really checked)."""
+    return {
+        "model_type": "kimi_linear",
+        "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 8,
+        "num_attention_heads": 3, "num_key_value_heads": 3,
+        "q_lora_rank": 40, "kv_lora_rank": 20, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+        "mla_use_nope": True, "mla_use_output_gate": True,
+        "linear_attn_config": {"num_heads": 3, "head_dim": 16, "short_conv_kernel_size": 3,
+                               "kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8],
+                               "use_full_rank_gate": True, "gate_lower_bound": -4.0},
+        "hidden_act": "situ", "activation_situ_beta": 3.0, "activation_situ_linear_beta": 20.0,
+        "intermediate_size": 96, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 2, "moe_intermediate_size": 20,
+        "routed_expert_hidden_size": 48, "latent_moe_use_norm": True, "moe_router_activation_func": "sigmoid",
+        "moe_renormalize": True, "routed_scaling_factor": 2.5, "topk_method": "noaux_tc",
+        "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "attn_res_block_size": 3,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "initializer_range": 0.15,
+        "bos_token_id": None, "eos_token_id": 5, "pad_token_id": None,
+        "rope_theta": 10000.0,
+    }
+
+
+def meta_count(config: K3Config):
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    return count_parameters(model, config)
+
+
+# ---------------------------------------------------------------------------------------------- presets
+@pytest.mark.parametrize("name", ["k3-full", "k3-small", "k3-tiny"])
+def test_preset_keeps_k3_structure(name):
+    """Every preset keeps the K3 schedule: [KDA,KDA,KDA,MLA]×n + final MLA, dense layer 0, partial last block (§1.4)."""
+    c = K3Config.from_preset(name)
+    L = c.num_hidden_layers
+    types = c.layer_types
+    assert types == ["mla" if (i + 1) % 4 == 0 or i == L - 1 else "kda" for i in range(L)]
+    assert types[-2:] == ["mla", "mla"]
+    assert sorted(c.kda_layers + c.full_attn_layers) == list(range(1, L + 1))
+    assert not c.is_moe_layer(0) and all(c.is_moe_layer(i) for i in range(1, L))
+    assert L % c.attn_res_block_size != 0, "the last AttnRes block must be partial, like 93 / 12"
+    assert c.num_shared_experts == 2
+    assert c.routed_expert_hidden_size < c.hidden_size
+    assert c.mla_use_nope and c.gate_lower_bound == -5.0 and c.hidden_act == "situ"
+
+
+def test_full_preset_is_the_release():
+    """k3-full has the released schedule: 69 KDA + 24 MLA, MLA at 1-based 4, 8, …, 92, 93 (§1.1, §1.4)."""
+    c = K3Config.from_preset("k3-full")
+    assert c.layer_types.count("kda") == 69 and c.layer_types.count("mla") == 24
+    assert c.full_attn_layers == list(range(4, 93, 4)) + [93]
+    assert (c.num_experts, c.num_experts_per_token, c.routed_expert_hidden_size, c.intermediate_size) == (
+        896, 16, 3584, 33792)
+    assert c.attn_res_block_size == 12 and c.rms_norm_eps == 1e-5 and c.tie_word_embeddings is False
+
+
+def test_preset_sizes():
+    """k3-tiny has ≤ 10M parameters (CPU-trainable) and k3-small 100–300M (meta-device count)."""
+    tiny, small = meta_count(K3Config.from_preset("k3-tiny")), meta_count(K3Config.from_preset("k3-small"))
+    assert 0 < tiny.total_params <= 10_000_000
+    assert 100_000_000 <= small.total_params <= 300_000_000
+    assert set(PRESETS) >= {"k3-full", "k3-small", "k3-tiny"}
+
+
+def test_unknown_preset_raises():
+    """An unknown preset name raises ValueError naming it."""
+    with pytest.raises(ValueError, match="k3-huge"):
+        K3Config.from_preset("k3-huge")
+
+
+# -------------------------------------------------------------------------------------------- JSON I/O
+def test_multimodal_round_trip_is_verbatim():
+    """A multimodal released config.json → from_dict → to_dict is identical, unknown keys included (§1.2, §1.3)."""
+    src = released_multimodal_config()
+    cfg = K3Config.from_dict(copy.deepcopy(src))
+    assert cfg.to_dict() == src
+    # and it was really parsed, not just carried
+    assert cfg.hidden_size == 7168 and cfg.kda_num_heads == 96 and cfg.kda_head_dim == 128
+    assert cfg.routed_scaling_factor == 2.5 and cfg.gate_lower_bound == -5.0
+    assert cfg.layer_types.count("mla") == 24
+
+
+def test_text_only_round_trip_and_parsing():
+    """A text-only file round-trips verbatim and every (non-default) value is read into its field."""
+    src = tiny_text_config_file()
+    cfg = K3Config.from_dict(copy.deepcopy(src))
+    assert cfg.to_dict() == src
+    assert cfg.multimodal is None
+    assert (cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.gate_lower_bound) == (3, 16, 3, -4.0)
+    assert (cfg.activation_situ_beta, cfg.activation_situ_linear_beta, cfg.rms_norm_eps) == (3.0, 20.0, 1e-6)
+    assert cfg.kda_layers == [1, 2, 3, 5, 6, 7] and cfg.full_attn_layers == [4, 8]
+    assert cfg.eos_token_id == 5 and cfg.bos_token_id is None
+
+
+def test_from_dict_does_not_alias_its_input():
+    """Mutating the config after from_dict must not change the caller's dict (deep copies)."""
+    src = released_multimodal_config()
+    cfg = K3Config.from_dict(src)
+    cfg.kda_layers.append(999)
+    cfg.extra["quantization_config"]["format"] = "x"
+    cfg.multimodal["vision_config"]["patch_size"] = 1
+    assert src == released_multimodal_config()
+
+
+def test_knobs_are_written_only_when_changed():
+    """Non-default knobs (kda_impl, moe_impl, kda_chunk_size) are written and read back (§1.3)."""
+    src = tiny_text_config_file()
+    cfg = K3Config.from_dict(src, kda_impl="recurrent", moe_impl="loop", kda_chunk_size=32)
+    d = cfg.to_dict()
+    assert (d["kda_impl"], d["moe_impl"], d["kda_chunk_size"]) == ("recurrent", "loop", 32)
+    back = K3Config.from_dict(d)
+    assert (back.kda_impl, back.moe_impl, back.kda_chunk_size) == ("recurrent", "loop", 32)
+
+
+@pytest.mark.parametrize("make", [released_multimodal_config, tiny_text_config_file])
+def test_save_and_from_json(tmp_path, make):
+    """save() writes config.json into a directory; from_json(dir) and from_json(file) read it back verbatim."""
+    src = make()
+    K3Config.from_dict(copy.deepcopy(src)).save(tmp_path)
+    path = tmp_path / "config.json"
+    assert json.loads(path.read_text()) == src
+    assert K3Config.from_json(tmp_path).to_dict() == src
+    assert K3Config.from_json(path).to_dict() == src
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # no temp file left behind
+
+
+def test_from_json_errors(tmp_path):
+    """A missing file raises FileNotFoundError; invalid JSON and non-object JSON raise ValueError."""
+    with pytest.raises(FileNotFoundError):
+        K3Config.from_json(tmp_path / "nope.json")
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError):
+        K3Config.from_json(tmp_path)
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError):
+        K3Config.from_json(bad)
+    with pytest.raises(ValueError, match="linear_attn_config"):
+        K3Config.from_dict({**tiny_text_config_file(), "linear_attn_config": [1]})
+
+
+def test_missing_fields_take_spec_defaults():
+    """Missing activation_situ_beta → 1.0, activation_situ_linear_beta → None, routed_scaling_factor → 1.0 (§6.1, §13.1)."""
+    src = tiny_text_config_file()
+    for key in ("activation_situ_beta", "activation_situ_linear_beta", "routed_scaling_factor"):
+        del src[key]
+    cfg = K3Config.from_dict(src)
+    assert cfg.activation_situ_beta == 1.0
+    assert cfg.activation_situ_linear_beta is None
+    assert cfg.routed_scaling_factor == 1.0
+    # explicit values are respected
+    cfg2 = K3Config.from_dict({**src, "activation_situ_linear_beta": None, "routed_scaling_factor": 1.5})
+    assert cfg2.activation_situ_linear_beta is None and cfg2.routed_scaling_factor == 1.5
+
+
+# ------------------------------------------------------------------------------------------- validation
+_POSITIVE_INT_FIELDS = [
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_head_dim", "v_head_dim", "kda_num_heads", "kda_head_dim", "short_conv_kernel_size",
+    "intermediate_size", "moe_layer_freq", "num_experts", "num_experts_per_token", "moe_intermediate_size",
+    "routed_expert_hidden_size", "attn_res_block_size", "kda_chunk_size", "num_expert_group", "topk_group",
+]
+
+_BAD = [
+    # partition of 1..L into kda_layers ∪ full_attn_layers (§0.3)
+    ("overlap", dict(kda_layers=[1, 2, 3, 4, 5, 6, 7]), "kda_layers"),
+    ("gap", dict(kda_layers=[1, 2, 3, 5, 6]), "kda_layers"),
+    ("out of range high", dict(full_attn_layers=[4, 9], kda_layers=[1, 2, 3, 5, 6, 7]), "full_attn_layers"),
+    ("out of range zero", dict(kda_layers=[0, 1, 2, 3, 5, 6, 7]), "kda_layers"),
+    ("duplicate", dict(full_attn_layers=[4, 4, 8]), "full_attn_layers"),
+    ("not ints", dict(kda_layers=[1, 2, 3, 5, 6, 7.0]), "kda_layers"),
+    ("top-k > experts", dict(num_experts_per_token=9), "num_experts_per_token"),
+    ("GQA", dict(num_key_value_heads=1), "num_key_value_heads"),
+    ("RoPE", dict(mla_use_nope=False), "mla_use_nope"),
+    ("hidden_act", dict(hidden_act="gelu"), "hidden_act"),
+    ("router act", dict(moe_router_activation_func="softmax"), "moe_router_activation_func"),
+    ("topk method", dict(topk_method="greedy"), "topk_method"),
+    ("positive lower bound", dict(gate_lower_bound=2.0), "gate_lower_bound"),
+    ("zero lower bound", dict(gate_lower_bound=0.0), "gate_lower_bound"),
+    ("beta1", dict(activation_situ_beta=0.0), "activation_situ_beta"),
+    ("beta2", dict(activation_situ_linear_beta=-25.0), "activation_situ_linear_beta"),
+    ("eps", dict(rms_norm_eps=0.0), "rms_norm_eps"),
+    ("scaling", dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
+    ("kda_impl", dict(kda_impl="fused"), "kda_impl"),
+    ("moe_impl", dict(moe_impl="dense"), "moe_impl"),
+    ("tied", dict(tie_word_embeddings=True), "tie_word_embeddings"),
+    ("bos ≥ vocab", dict(bos_token_id=256), "bos_token_id"),
+    ("eos negative", dict(eos_token_id=-1), "eos_token_id"),
+    ("pad ≥ vocab", dict(pad_token_id=1000), "pad_token_id"),
+    ("topk_group > groups", dict(num_expert_group=2, topk_group=3), "topk_group"),
+    ("groups do not divide", dict(num_expert_group=3, topk_group=1), "num_expert_group"),
+    ("negative rope", dict(qk_rope_head_dim=-1), "qk_rope_head_dim"),
+    ("negative shared", dict(num_shared_experts=-1), "num_shared_experts"),
+    ("negative dense", dict(first_k_dense_replace=-1), "first_k_dense_replace"),
+] + [(f"{f}=0", {f: 0}, f) for f in _POSITIVE_INT_FIELDS] + [
+    ("negative size", dict(hidden_size=-64), "hidden_size"),
+    ("float size", dict(hidden_size=64.0), "hidden_size"),
+    ("bool size", dict(num_experts=True), "num_experts"),
+]
+
+
+@pytest.mark.parametrize("case,overrides,field", _BAD, ids=[c[0] for c in _BAD])
+def test_validation_names_the_field(tiny_config, case, overrides, field):
+    """Each validation rule raises ValueError whose message names the offending field (§1.3)."""
+    tiny_config()  # the base is valid
+    with pytest.raises(ValueError) as exc:
+        tiny_config(**overrides)
+    assert re.search(rf"(?<![A-Za-z_]){field}(?![A-Za-z_])", str(exc.value)), str(exc.value)
+
+
+def test_replace_and_from_dict_validate(tiny_config):
+    """replace() and from_dict() go through the same validation."""
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        tiny_config().replace(num_key_value_heads=2)
+    bad = tiny_text_config_file()
+    bad["linear_attn_config"]["full_attn_layers"] = [4]
+    with pytest.raises(ValueError, match="kda_layers"):
+        K3Config.from_dict(bad)
+
+
+def test_null_gate_cap_is_rejected(tiny_config):
+    """activation_situ_beta = null has no meaning (§6.1 defines null only for β₂; a missing β₁ means 1.0)."""
+    with pytest.raises(ValueError, match="activation_situ_beta"):
+        tiny_config(activation_situ_beta=None)

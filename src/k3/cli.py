@@ -90,7 +90,8 @@ def print_info(name: str, config: K3Config, r: dict) -> None:
         print(f"  at {k:>4} tokens: cache {b / 1e9:8.2f} GB   forward {_human(flops, 'FLOP')}/token")
     print("\nKimi K2 comparison (spec §2.3)")
     ours = {"layers": str(c.num_hidden_layers), "total params": _human(r["total_params"]),
-            "activated params": _human(r["activated_params"]), "training context": "1M (1,048,576)",
+            "activated params": _human(r["activated_params"]),
+            "training context": f"{c.extra.get('max_position_embeddings', 1048576):,} (max_position_embeddings)",
             "sequence mixing": f"{r['kda_layers']} KDA : {r['mla_layers']} gated NoPE MLA",
             "routed experts": f"{c.num_experts}, top-{c.num_experts_per_token}, {c.num_shared_experts} shared, "
                               f"width {c.moe_intermediate_size}, latent {c.routed_expert_hidden_size}",

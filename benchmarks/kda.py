@@ -1,0 +1,104 @@
+"""Benchmark of the KDA core: chunk_kda vs recurrent_kda on CPU in fp32 (spec §3.4, §3.5).
+
+B=1, H=4, K=V=128, T ∈ {1024, 4096, 16384} (--quick: up to 4096); forward (no grad) and forward+backward.
+Every measurement runs in a fresh process, so the reported peak RSS belongs to that measurement alone.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/kda.py [--quick]
+
+glibc returns large freed blocks to the OS, so every big temporary is page-faulted in again; on small VMs that
+can be half of the chunk path's time. `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1000000000000` in the
+environment makes it reuse memory instead; the header line reports which allocator settings were in effect.
+"""
+# Shape suffixes: B batch, T time, H heads, K key dim, V value dim.
+
+import argparse
+import concurrent.futures
+import datetime
+import multiprocessing
+import os
+import platform
+import resource
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from k3.ops.kda import chunk_kda, recurrent_kda
+
+B, H, K, V = 1, 4, 128, 128
+OPS = {"recurrent": recurrent_kda, "chunk": chunk_kda}
+BUDGET_S = 5.0  # repeat a measurement while it fits in this many seconds (always at least once)
+
+
+def make_inputs(T, requires_grad):
+    gen = torch.Generator().manual_seed(0)
+    q_BTHK = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k_BTHK = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v_BTHV = torch.randn(B, T, H, V, generator=gen)
+    g_BTHK = -5 * torch.sigmoid(3 * torch.randn(B, T, H, K, generator=gen))  # K3 bounded gate (spec §3.3)
+    beta_BTH = torch.rand(B, T, H, generator=gen)
+    return [x.requires_grad_(requires_grad) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH)]
+
+
+def measure(op_name, T, backward):
+    """Median seconds per call (one warm-up call first) and the process's peak RSS in MiB."""
+    op, inputs = OPS[op_name], make_inputs(T, requires_grad=backward)
+    do_BTHV = torch.randn(B, T, H, V)
+
+    def call():
+        if backward:
+            op(*inputs)[0].backward(do_BTHV)
+        else:
+            with torch.no_grad():
+                op(*inputs)
+
+    start = time.perf_counter()
+    call()
+    warmup_s = time.perf_counter() - start
+    times = []
+    for _ in range(max(1, min(10, int(BUDGET_S / warmup_s)))):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def in_fresh_process(*args):
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(measure, *args).result()
+
+
+def machine():
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"Python {platform.python_version()}, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}"
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="T up to 4096 only")
+    lengths = [1024, 4096] if parser.parse_args().quick else [1024, 4096, 16384]
+
+    malloc_env = " ".join(f"{name}={value}" for name, value in os.environ.items() if name.startswith("MALLOC_"))
+    print(f"Machine: {machine()}")
+    print(f"Allocator: glibc malloc, {malloc_env or 'default settings'}")
+    print(f"B={B}, H={H}, K=V={K}, fp32, median ms per call; peak RSS of the measuring process\n")
+    columns = ["T", "pass", "recurrent ms", "chunk ms", "recurrent tok/s", "chunk tok/s", "recurrent/chunk"]
+    print("| " + " | ".join(columns + ["peak RSS recurrent / chunk (MiB)"]) + " |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for T in lengths:
+        for backward in (False, True):
+            (rec_s, rec_mib), (chunk_s, chunk_mib) = (in_fresh_process(op, T, backward) for op in OPS)
+            cells = [T, "fwd+bwd" if backward else "fwd", f"{1e3 * rec_s:.0f}", f"{1e3 * chunk_s:.0f}"]
+            cells += [f"{B * T / rec_s:,.0f}", f"{B * T / chunk_s:,.0f}", f"{rec_s / chunk_s:.1f}"]
+            cells += [f"{rec_mib:,.0f} / {chunk_mib:,.0f}"]
+            print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Numerical core operators of the K3 model (pure PyTorch, differentiable with plain autograd)."""

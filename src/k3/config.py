@@ -78,6 +78,7 @@ class K3Config:
     kda_chunk_size: int = 64
     kda_impl: str = "chunk"  # "chunk" | "recurrent"
     moe_impl: str = "grouped"  # "grouped" | "loop"
+    mla_decode: str = "absorbed"  # one-token MLA steps: "absorbed" (MQA over the latent, §4.4) | "expanded"
     # everything else in the file (model_type, rope_theta, quantization_config, ...) kept verbatim
     extra: dict[str, Any] = field(default_factory=dict)
     # when read from a multimodal file: the top level without `text_config` (has `vision_config`)
@@ -164,6 +165,7 @@ class K3Config:
         need(self.routed_scaling_factor > 0, "routed_scaling_factor", "must be positive")
         need(self.kda_impl in ("chunk", "recurrent"), "kda_impl", "must be 'chunk' or 'recurrent'")
         need(self.moe_impl in ("grouped", "loop"), "moe_impl", "must be 'grouped' or 'loop'")
+        need(self.mla_decode in ("absorbed", "expanded"), "mla_decode", "must be 'absorbed' or 'expanded'")
         need(self.tie_word_embeddings is False, "tie_word_embeddings", "must be false (K3 has an untied lm_head)")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, name)
@@ -277,7 +279,7 @@ _LAC_TO_FIELD = {
     "gate_lower_bound": "gate_lower_bound",
 }
 _LINEAR_ATTN_FIELDS = frozenset(_LAC_TO_FIELD.values())
-_KNOB_DEFAULTS = {"kda_chunk_size": 64, "kda_impl": "chunk", "moe_impl": "grouped"}
+_KNOB_DEFAULTS = {"kda_chunk_size": 64, "kda_impl": "chunk", "moe_impl": "grouped", "mla_decode": "absorbed"}
 
 
 def _k3_structure(num_hidden_layers: int) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from torch import nn
 
 from k3.checkpoint import is_fp32_tensor, load_checkpoint_state, save_checkpoint_state
 from k3.config import K3Config
+from k3.inference.cache import K3Cache, KDACache, MLACache, StepContext, step_context
 from k3.model.attn_res import attn_res_mix
 from k3.model.ffn import SiTUMLP
 from k3.model.kda import KimiDeltaAttention
@@ -53,15 +54,17 @@ class K3DecoderLayer(nn.Module):
     def ffn(self, x_BTD: torch.Tensor) -> torch.Tensor:
         return self.mlp(x_BTD) if hasattr(self, "mlp") else self.block_sparse_moe(x_BTD)
 
-    def forward(self, cur_BTD: torch.Tensor, bank: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, cur_BTD: torch.Tensor, bank: list[torch.Tensor], cache: KDACache | MLACache | None = None,
+                ctx: StepContext | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One step of spec §5.3. `cur` is the running partial sum of the current block (the embedding before
-        layer 0); `bank` the completed sources [b₀ = embedding, b₁, …]. Returns the new (cur, bank)."""
+        layer 0); `bank` the completed sources [b₀ = embedding, b₁, …]. Returns the new (cur, bank).
+        `cache`/`ctx` reach the sequence mixer only: AttnRes and the FFN are per token."""
         prefix = cur_BTD
         h_BTD = attn_res_mix(bank + [prefix], self.self_attention_res_norm, self.self_attention_res_proj) \
             if bank else prefix
         if self.starts_block:  # bank the raw, un-mixed prefix; the new block's partial sum restarts
             bank, prefix = bank + [prefix], None
-        a_BTD = self.self_attn(self.input_layernorm(h_BTD))
+        a_BTD = self.self_attn(self.input_layernorm(h_BTD), cache, ctx)
         prefix = a_BTD if prefix is None else prefix + a_BTD
         h_BTD = attn_res_mix(bank + [prefix], self.mlp_res_norm, self.mlp_res_proj)
         return prefix + self.ffn(self.post_attention_layernorm(h_BTD)), bank
@@ -80,11 +83,16 @@ class K3Model(nn.Module):
         self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
         self.norm = RMSNorm(D, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        """Final hidden states [B, T, D] after `model.norm`."""
+    def forward(self, input_ids: torch.LongTensor, cache: K3Cache | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states [B, T, D] after `model.norm`, for the new tokens only when a cache is given."""
+        B, T = input_ids.shape
+        ctx = step_context(cache, B, T, attention_mask, input_ids.device)
         cur_BTD, bank = self.embed_tokens(input_ids), []
-        for layer in self.layers:
-            cur_BTD, bank = layer(cur_BTD, bank)
+        for i, layer in enumerate(self.layers):
+            cur_BTD, bank = layer(cur_BTD, bank, None if cache is None else cache.layers[i], ctx)
+        if cache is not None:
+            cache.length += T
         out_BTD = attn_res_mix(bank + [cur_BTD], self.output_attn_res_norm, self.output_attn_res_proj)
         return self.norm(out_BTD)
 
@@ -133,11 +141,20 @@ class K3ForCausalLM(nn.Module):
                 raise ValueError(f"input_ids contains token id {bad}, outside the vocabulary 0..{vocab - 1} "
                                  f"(vocab_size={vocab})")
 
-    def forward(self, input_ids: torch.LongTensor, labels: torch.LongTensor | None = None) -> CausalLMOutput:
+    def make_cache(self, batch_size: int, capacity: int = 256) -> K3Cache:
+        """An empty cache for `batch_size` sequences (MLA latents preallocated to `capacity`, grown on demand)."""
+        weight = self.model.embed_tokens.weight
+        return K3Cache(self.config, batch_size, weight.dtype, weight.device, capacity)
+
+    def forward(self, input_ids: torch.LongTensor, labels: torch.LongTensor | None = None,
+                cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
         """`labels` follow the HF convention: same shape as `input_ids`, shifted inside so position t predicts
-        token t+1; -100 is ignored. The loss is computed in fp32."""
+        token t+1; -100 is ignored. The loss is computed in fp32.
+
+        With `cache` (from `make_cache`), the call consumes the new tokens, appends them to the cache and returns
+        their logits only. `attention_mask` (1 real, 0 padding; left padding) is [B, past + new] or [B, new]."""
         self.check_input_ids(input_ids)
-        logits_BTV = self.lm_head(self.model(input_ids))
+        logits_BTV = self.lm_head(self.model(input_ids, cache, attention_mask))
         loss = None
         if labels is not None:
             if labels.shape != input_ids.shape:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
+from k3.inference.cache import KDACache, StepContext
 from k3.model.norm import RMSNorm, l2_normalize, rms_normalize
 from k3.model.precision import KeepFP32, fp32
 from k3.ops.kda import chunk_kda, recurrent_kda
@@ -31,12 +32,20 @@ def kda_decay(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Ten
     return lower_bound * torch.sigmoid(A_H11 * x_BTHK)
 
 
-def short_conv(x_BTP: torch.Tensor, weight_P1W: torch.Tensor) -> torch.Tensor:
-    """Causal depthwise conv + SiLU in fp32, cast back (spec §3.2 step 2); tap W−1 is the current token."""
+def short_conv(x_BTP: torch.Tensor, weight_P1W: torch.Tensor,
+               context_BWP: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv + SiLU in fp32, cast back (spec §3.2 step 2, §3.7); tap W−1 is the current token.
+
+    `context` holds the W−1 inputs before x (zeros for a fresh sequence). Returns (output [B,T,P], the last
+    W−1 inputs [B,W−1,P] = the context of the next call).
+    """
     W = weight_P1W.shape[-1]
-    x_BPT = fp32(x_BTP).transpose(1, 2)
-    y_BPT = F.conv1d(F.pad(x_BPT, (W - 1, 0)), weight_P1W.to(x_BPT.dtype), groups=weight_P1W.shape[0])
-    return F.silu(y_BPT).transpose(1, 2).to(x_BTP.dtype)
+    if context_BWP is None:
+        context_BWP = x_BTP.new_zeros(x_BTP.shape[0], W - 1, x_BTP.shape[2])
+    full_BTP = torch.cat([context_BWP.to(x_BTP.dtype), x_BTP], dim=1)
+    x_BPT = fp32(full_BTP).transpose(1, 2)
+    y_BPT = F.conv1d(x_BPT, weight_P1W.to(x_BPT.dtype), groups=weight_P1W.shape[0])
+    return F.silu(y_BPT).transpose(1, 2).to(x_BTP.dtype), full_BTP[:, full_BTP.shape[1] - (W - 1):]
 
 
 class KimiDeltaAttention(KeepFP32):
@@ -87,21 +96,47 @@ class KimiDeltaAttention(KeepFP32):
             return self.g_proj(x_BTD)
         return self.g_b_proj(self.g_a_proj(x_BTD))
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """x is the `input_layernorm` output; returns the layer output [B, T, D] (spec §3.2)."""
+    def forward(self, x_BTD: torch.Tensor, cache: KDACache | None = None,
+                ctx: StepContext | None = None) -> torch.Tensor:
+        """x is the `input_layernorm` output; returns the layer output [B, T, D] (spec §3.2).
+
+        With a cache, the conv windows and the recurrent state continue from it and are updated in place; a
+        one-token call uses the recurrent form, longer calls the chunked one (spec §3.7). Padding tokens
+        (`ctx.valid_BT` false) enter neither the conv windows (their inputs are zeroed, like the zero context
+        of a fresh sequence) nor the state (identity steps: k = 0, g = 0, β = 0; spec §3.8).
+        """
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
-        q_BTHK = short_conv(self.q_proj(x_BTD), self.q_conv1d.weight).view(B, T, H, K)
-        k_BTHK = short_conv(self.k_proj(x_BTD), self.k_conv1d.weight).view(B, T, H, K)
-        v_BTHK = short_conv(self.v_proj(x_BTD), self.v_conv1d.weight).view(B, T, H, K)
+        valid_BT1 = None if ctx is None or ctx.valid_BT is None else ctx.valid_BT[..., None]
+        streams = []
+        for i, (proj, conv) in enumerate(((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d),
+                                          (self.v_proj, self.v_conv1d))):
+            x_BTP = proj(x_BTD)
+            if valid_BT1 is not None:
+                x_BTP = x_BTP.masked_fill(~valid_BT1, 0)
+            context_BWP = None if cache is None else cache.conv_state_B3WP[:, i]
+            y_BTP, context_BWP = short_conv(x_BTP, conv.weight, context_BWP)
+            if cache is not None:
+                cache.conv_state_B3WP[:, i] = context_BWP
+            streams.append(y_BTP.view(B, T, H, K))
+        q_BTHK, k_BTHK, v_BTHK = streams
         q_BTHK, k_BTHK = l2_normalize(q_BTHK), l2_normalize(k_BTHK)  # fp32; the op applies K^-1/2 to q
         g_BTHK = kda_decay(self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, K), self.A_log,
                            self.dt_bias.view(H, K), self.config.gate_lower_bound)
         beta_BTH = torch.sigmoid(fp32(self.b_proj(x_BTD)))
-        if self.config.kda_impl == "recurrent":
-            o_BTHK, _ = recurrent_kda(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH)
+        if valid_BT1 is not None:  # identity steps leave S untouched
+            k_BTHK = k_BTHK.masked_fill(~valid_BT1[..., None], 0)
+            g_BTHK = g_BTHK.masked_fill(~valid_BT1[..., None], 0)
+            beta_BTH = beta_BTH.masked_fill(~valid_BT1, 0)
+        state = None if cache is None else cache.recurrent_state_BHKV
+        if self.config.kda_impl == "recurrent" or (T == 1 and cache is not None):
+            o_BTHK, state = recurrent_kda(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, initial_state=state,
+                                          output_final_state=cache is not None)
         else:
-            o_BTHK, _ = chunk_kda(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, chunk_size=self.config.kda_chunk_size)
+            o_BTHK, state = chunk_kda(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, initial_state=state,
+                                      output_final_state=cache is not None, chunk_size=self.config.kda_chunk_size)
+        if cache is not None:
+            cache.recurrent_state_BHKV = state
         z_BTHK = self.output_gate(x_BTD).view(B, T, H, K)
         # gated norm, entirely fp32: RMSNorm_{o_norm}(o) ⊙ σ(z)
         o_BTHK = rms_normalize(o_BTHK, self.o_norm.eps) * self.o_norm.weight * torch.sigmoid(fp32(z_BTHK))

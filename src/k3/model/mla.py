@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
+from k3.inference.cache import MLACache, StepContext
 from k3.model.norm import RMSNorm
+from k3.model.precision import fp32
 
 MLA_LORA_NORM_EPS = 1e-6  # spec §0.5: class default of the reference RMSNorm; the config's eps is not passed
 
@@ -56,19 +58,76 @@ class GatedMLA(nn.Module):
             o_BTP = o_BTP * torch.sigmoid(self.g_proj(x_BTD))
         return self.o_proj(o_BTP)
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """Causal expanded attention over the whole input; x is the `input_layernorm` output."""
-        B, T, _ = x_BTD.shape
-        cfg = self.config
-        H, N = self.num_heads, cfg.qk_nope_head_dim
+    def forward(self, x_BTD: torch.Tensor, cache: MLACache | None = None,
+                ctx: StepContext | None = None) -> torch.Tensor:
+        """Causal attention of the new tokens over the cached and new ones; x is the `input_layernorm` output.
+
+        Only the latent [ĉ ‖ k_pe] is cached. One-token calls use the absorbed form (spec §4.4) unless
+        `mla_decode = "expanded"`; multi-token calls (training, prefill) use the expanded form (spec §4.2).
+        """
+        ctx = ctx or StepContext()
+        T = x_BTD.shape[1]
+        latent_BSL = self.compress_kv(x_BTD)
+        if cache is not None:
+            cache.latent_BSL[:, ctx.start: ctx.start + T] = latent_BSL
+            latent_BSL = cache.latent_BSL[:, : ctx.start + T]
+        mask_B1TS = attention_mask(T, ctx.start, ctx.key_valid_BS, x_BTD.device)
         q_nope_BTHN, q_pe_BTHR = self.project_query(x_BTD)
-        latent_BTL = self.compress_kv(x_BTD)
-        c_BTC, k_pe_BTR = latent_BTL.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        k_nope_BTHN, v_BTHV = self.kv_b_proj(c_BTC).view(B, T, H, -1).split([N, cfg.v_head_dim], dim=-1)
+        if T == 1 and cache is not None and self.config.mla_decode == "absorbed":
+            o_BTHV = self.attend_absorbed(q_nope_BTHN, q_pe_BTHR, latent_BSL, mask_B1TS)
+        else:
+            o_BTHV = self.attend_expanded(q_nope_BTHN, q_pe_BTHR, latent_BSL, mask_B1TS)
+        return self.gate_and_project(x_BTD, o_BTHV)
+
+    def attend_expanded(self, q_nope_BTHN: torch.Tensor, q_pe_BTHR: torch.Tensor, latent_BSL: torch.Tensor,
+                        mask_B1TS: torch.Tensor | None) -> torch.Tensor:
+        """Expanded MHA (spec §4.2 steps 5–8): keys [k_nope ‖ k_pe broadcast over heads], values from ĉ."""
+        cfg = self.config
+        B, S, _ = latent_BSL.shape
+        H, N = self.num_heads, cfg.qk_nope_head_dim
+        c_BSC, k_pe_BSR = latent_BSL.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        k_nope_BSHN, v_BSHV = self.kv_b_proj(c_BSC).view(B, S, H, -1).split([N, cfg.v_head_dim], dim=-1)
         # key = [k_nope ‖ k_pe broadcast over heads]; query = [q_nope ‖ q_pe]; no rotation anywhere
-        key_BTHQ = torch.cat([k_nope_BTHN, k_pe_BTR[:, :, None].expand(B, T, H, -1)], dim=-1)
+        key_BSHQ = torch.cat([k_nope_BSHN, k_pe_BSR[:, :, None].expand(B, S, H, -1)], dim=-1)
         query_BTHQ = torch.cat([q_nope_BTHN, q_pe_BTHR], dim=-1)
         o_BHTV = F.scaled_dot_product_attention(
-            query_BTHQ.transpose(1, 2), key_BTHQ.transpose(1, 2), v_BTHV.transpose(1, 2),
-            is_causal=True, scale=self.scale)
-        return self.gate_and_project(x_BTD, o_BHTV.transpose(1, 2))
+            query_BTHQ.transpose(1, 2), key_BSHQ.transpose(1, 2), v_BSHV.transpose(1, 2),
+            attn_mask=mask_B1TS, is_causal=mask_B1TS is None, scale=self.scale)
+        return o_BHTV.transpose(1, 2)
+
+    def attend_absorbed(self, q_nope_BTHN: torch.Tensor, q_pe_BTHR: torch.Tensor, latent_BSL: torch.Tensor,
+                        mask_B1TS: torch.Tensor | None) -> torch.Tensor:
+        """MQA over the latent (spec §4.4): W_UK folded into the query, W_UV applied per head after attention.
+
+        score = [W_UKᵀ q_nope ‖ q_pe] · [ĉ ‖ k_pe] / sqrt(N + R); o = W_UV (Σ_s p_s ĉ_s).
+        """
+        cfg = self.config
+        C, N = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        W_HDC = self.kv_b_proj.weight.view(self.num_heads, N + cfg.v_head_dim, C)
+        W_UK_HNC, W_UV_HVC = W_HDC[:, :N], W_HDC[:, N:]
+        q_BTHL = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope_BTHN, W_UK_HNC), q_pe_BTHR], dim=-1)
+        scores_BHTS = torch.einsum("bthl,bsl->bhts", q_BTHL, latent_BSL) * self.scale
+        T, S = scores_BHTS.shape[-2:]
+        if mask_B1TS is None:  # fresh unpadded sequence: plain causal
+            mask_B1TS = torch.ones(T, S, dtype=torch.bool, device=scores_BHTS.device).tril(S - T)
+        scores_BHTS = scores_BHTS.masked_fill(~mask_B1TS, float("-inf"))
+        p_BHTS = torch.softmax(fp32(scores_BHTS), dim=-1).to(latent_BSL.dtype)
+        o_lat_BTHC = torch.einsum("bhts,bsc->bthc", p_BHTS, latent_BSL[..., :C])
+        return torch.einsum("bthc,hvc->bthv", o_lat_BTHC, W_UV_HVC)
+
+
+def attention_mask(T: int, start: int, key_valid_BS: torch.Tensor | None,
+                   device: torch.device) -> torch.Tensor | None:
+    """Boolean [B|1, 1, T, start+T] mask: new token t sees positions ≤ start+t that are real tokens.
+
+    A padding query also sees itself, so no softmax row is empty (its output is discarded anyway). Returns None
+    for a fresh, unpadded sequence (plain causal attention).
+    """
+    if start == 0 and key_valid_BS is None:
+        return None
+    q_T1 = torch.arange(start, start + T, device=device)[:, None]
+    k_S = torch.arange(start + T, device=device)
+    mask_TS = k_S <= q_T1
+    if key_valid_BS is None:
+        return mask_TS[None, None]
+    return ((mask_TS & key_valid_BS[:, None, :]) | (k_S == q_T1))[:, None]

@@ -1,0 +1,1 @@
+"""Inference: caches (and, later, generation)."""

@@ -1,0 +1,136 @@
+"""Inference caches (spec §2.4, §3.7, §4.3, §5.6).
+
+KDA layers keep a fixed-size state per sequence: the fp32 recurrent state S [B,H,K,V] and the last W−1
+projected, pre-conv inputs of q, k and v. MLA layers keep only the compressed latent [ĉ ‖ k_pe]
+(kv_lora_rank + qk_rope_head_dim numbers per token, 576 at full size) in the activation dtype. AttnRes and the
+MoE need no cross-token state. Positions are explicit: `K3Cache.length` tokens have been consumed and the next
+call writes at that position; `key_mask` marks which cached positions are real tokens (left padding).
+
+Shape legend: B batch, S cached positions (capacity), W conv width, P = H·K KDA projection width, H heads,
+K key dim, V value dim, L latent width (kv_lora_rank + qk_rope_head_dim).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k3.config import K3Config
+
+
+@dataclass
+class KDACache:
+    conv_state_B3WP: torch.Tensor  # last W−1 projected inputs of the q, k, v streams (activation dtype)
+    recurrent_state_BHKV: torch.Tensor  # S, key-major, fp32
+
+
+@dataclass
+class MLACache:
+    latent_BSL: torch.Tensor  # [ĉ ‖ k_pe] per position, preallocated to the cache capacity
+
+
+class K3Cache:
+    """Per-layer caches of one batch of sequences, with explicit positions (gpt-fast style).
+
+    MLA latents and `key_mask` are preallocated to `capacity` positions and grow by doubling when a call needs
+    more. Make one with `K3ForCausalLM.make_cache(batch_size)`.
+    """
+
+    def __init__(self, config: K3Config, batch_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 capacity: int = 256):
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        H, K, W = config.kda_num_heads, config.kda_head_dim, config.short_conv_kernel_size
+        L = config.kv_lora_rank + config.qk_rope_head_dim
+        self.batch_size, self.length = batch_size, 0
+        self.key_mask_BS = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
+        self.layers: list[KDACache | MLACache] = [
+            KDACache(torch.zeros(batch_size, 3, W - 1, H * K, dtype=dtype, device=device),
+                     torch.zeros(batch_size, H, K, K, dtype=torch.float32, device=device))
+            if config.is_kda_layer(i) else
+            MLACache(torch.zeros(batch_size, capacity, L, dtype=dtype, device=device))
+            for i in range(config.num_hidden_layers)
+        ]
+
+    @property
+    def capacity(self) -> int:
+        return self.key_mask_BS.shape[1]
+
+    def reserve(self, length: int) -> None:
+        """Make room for `length` positions in total (doubling, so appends are amortised O(1))."""
+        if length <= self.capacity:
+            return
+        new = max(length, 2 * self.capacity)
+        self.key_mask_BS = _grow(self.key_mask_BS, new)
+        for layer in self.layers:
+            if isinstance(layer, MLACache):
+                layer.latent_BSL = _grow(layer.latent_BSL, new)
+
+    def nbytes(self) -> int:
+        """Bytes held for the consumed positions (MLA latents up to `length`, KDA states, conv windows)."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, MLACache):
+                total += layer.latent_BSL[:, : self.length].nbytes
+            else:
+                total += layer.conv_state_B3WP.nbytes + layer.recurrent_state_BHKV.nbytes
+        return total
+
+
+def _grow(x: torch.Tensor, capacity: int) -> torch.Tensor:
+    grown = x.new_zeros(x.shape[0], capacity, *x.shape[2:])
+    grown[:, : x.shape[1]] = x
+    return grown
+
+
+@dataclass
+class StepContext:
+    """What the sequence mixers need to know about a call besides its hidden states.
+
+    `start` is the position of the first new token; `valid_BT` marks the real (non-padding) new tokens (None:
+    all real); `key_valid_BS` marks the real tokens among all `start + T` positions (None: all real).
+    """
+
+    start: int = 0
+    valid_BT: torch.Tensor | None = None
+    key_valid_BS: torch.Tensor | None = None
+
+
+def step_context(cache: K3Cache | None, B: int, T: int, attention_mask: torch.Tensor | None,
+                 device: torch.device) -> StepContext:
+    """Validate a call's cache and `attention_mask` and record the new tokens in the cache's `key_mask`.
+
+    `attention_mask` (1 = real token, 0 = padding) covers either the past and the new tokens [B, length + T]
+    (Hugging Face convention) or only the new ones [B, T]. Padding must be on the left: once a sequence has a
+    real token, all its later tokens are real.
+    """
+    start = 0 if cache is None else cache.length
+    if cache is not None and cache.batch_size != B:
+        raise ValueError(f"input batch size {B} does not match the cache's batch size {cache.batch_size}")
+    valid_BT = None
+    if attention_mask is not None:
+        mask = attention_mask.to(device=device, dtype=torch.bool)
+        if tuple(mask.shape) == (B, start + T):
+            past_BS, valid_BT = mask[:, :start], mask[:, start:]
+            if cache is not None and not torch.equal(past_BS, cache.key_mask_BS[:, :start]):
+                raise ValueError("attention_mask disagrees with the cache about which past tokens are padding")
+        elif tuple(mask.shape) == (B, T):
+            valid_BT = mask
+        else:
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected [B, past + new] = "
+                             f"{[B, start + T]} or [B, new] = {[B, T]}")
+        history = valid_BT if cache is None else torch.cat([cache.key_mask_BS[:, :start], valid_BT], dim=1)
+        if (history[:, 1:].int() < history[:, :-1].int()).any():
+            raise ValueError("attention_mask must be left padding: a 0 after a 1 in the same row")
+    if cache is None:
+        key_valid_BS = valid_BT
+    else:
+        cache.reserve(start + T)
+        cache.key_mask_BS[:, start: start + T] = True if valid_BT is None else valid_BT
+        key_valid_BS = cache.key_mask_BS[:, : start + T]
+    if key_valid_BS is not None and bool(key_valid_BS.all()):
+        key_valid_BS = None
+    if valid_BT is not None and bool(valid_BT.all()):
+        valid_BT = None
+    return StepContext(start, valid_BT, key_valid_BS)

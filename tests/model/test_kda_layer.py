@@ -109,7 +109,8 @@ def test_short_conv_matches_tap_loop():
     P, T, W = 10, 13, 4
     x = torch.randn(2, T, P, generator=gen)
     w = torch.randn(P, 1, W, generator=gen)
-    y = short_conv(x, w)
+    y, context = short_conv(x, w)
+    assert torch.equal(context, x[:, T - (W - 1):])  # the next call's left context: the last W−1 inputs
     ref = torch.zeros(2, T, P, dtype=torch.float64)
     for t in range(T):
         for j in range(W):
@@ -120,9 +121,13 @@ def test_short_conv_matches_tap_loop():
     # the current token really uses the last tap: a delta at t = 0 shows w[:, 0, W-1] at t = 0
     delta = torch.zeros(1, T, P)
     delta[0, 0] = 1.0
-    torch.testing.assert_close(short_conv(delta, w)[0, :W], F.silu(w[:, 0, :].flip(-1).t()), rtol=1e-6, atol=1e-6)
-    y16 = short_conv(x.to(torch.bfloat16), w)
+    torch.testing.assert_close(short_conv(delta, w)[0][0, :W], F.silu(w[:, 0, :].flip(-1).t()), rtol=1e-6, atol=1e-6)
+    y16, _ = short_conv(x.to(torch.bfloat16), w)
     assert y16.dtype == torch.bfloat16
+    # split-and-carry: two calls with the carried context equal one call
+    y_a, ctx_a = short_conv(x[:, :5], w)
+    y_b, _ = short_conv(x[:, 5:], w, ctx_a)
+    torch.testing.assert_close(torch.cat([y_a, y_b], 1), y, rtol=0, atol=1e-6)
 
 
 # -------------------------------------------------------------------------------------------- layer

@@ -1,1 +1,1 @@
-"""Inference: caches (and, later, generation)."""
+"""Inference: caches (cache.py) and autoregressive generation (generate.py)."""

@@ -15,6 +15,7 @@ from torch import nn
 from k3.checkpoint import is_fp32_tensor, load_checkpoint_state, save_checkpoint_state
 from k3.config import K3Config
 from k3.inference.cache import K3Cache, KDACache, MLACache, StepContext, step_context
+from k3.inference.generate import generate as generate_tokens
 from k3.model.attn_res import attn_res_mix
 from k3.model.ffn import SiTUMLP
 from k3.model.kda import KimiDeltaAttention
@@ -162,6 +163,15 @@ class K3ForCausalLM(nn.Module):
             loss = F.cross_entropy(fp32(logits_BTV[:, :-1]).flatten(0, 1), labels[:, 1:].flatten(),
                                    ignore_index=-100)
         return CausalLMOutput(logits=logits_BTV, loss=loss)
+
+    def generate(self, input_ids: torch.LongTensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
+                 attention_mask: torch.Tensor | None = None, seed: int | None = None,
+                 streamer=None) -> torch.LongTensor:
+        """Prompt + up to `max_new_tokens` sampled tokens, [B, T + n]: see `k3.inference.generate.generate`."""
+        return generate_tokens(self, input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                               eos_token_id=eos_token_id, attention_mask=attention_mask, seed=seed,
+                               streamer=streamer)
 
     # ---------------------------------------------------------------------------------- checkpoints
     @classmethod

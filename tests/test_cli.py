@@ -80,3 +80,58 @@ def test_missing_subcommand_is_a_usage_error():
     with pytest.raises(SystemExit) as e:
         main([])
     assert e.value.code == 2
+
+
+# ------------------------------------------------------------------------------------------- generate
+CORPUS = ["the quick brown fox jumps over the lazy dog. " * 20, "a stitch in time saves nine; " * 20]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny K3 checkpoint directory with its own trained BPE tokenizer (spec §10 format)."""
+    from k3.model import K3ForCausalLM
+    from k3.tokenizer import train_bpe
+
+    path = tmp_path_factory.mktemp("ckpt")
+    tokenizer = train_bpe(CORPUS, vocab_size=300, num_special_slots=16)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.from_preset("k3-tiny", vocab_size=tokenizer.vocab_size))
+    model.save_pretrained(path)
+    tokenizer.save(path)
+    return path, model, tokenizer
+
+
+def test_generate_streams_the_greedy_continuation(checkpoint, capsys):
+    """`k3 generate --temperature 0` prints the prompt and exactly model.generate's greedy continuation."""
+    path, model, tokenizer = checkpoint
+    assert main(["generate", str(path), "--prompt", "the quick", "--max-new-tokens", "12",
+                 "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    ids = torch.tensor([tokenizer.encode("the quick")])
+    expected = model.generate(ids, 12, temperature=0, eos_token_id=[tokenizer.eos_token_id, tokenizer.eod_token_id])
+    assert out == "the quick" + tokenizer.decode(expected[0, ids.shape[1]:].tolist()) + "\n"
+
+
+def test_generate_is_reproducible_with_a_seed(checkpoint, capsys):
+    path = str(checkpoint[0])
+    runs = []
+    for _ in range(2):
+        main(["generate", path, "--prompt", "a stitch", "--max-new-tokens", "10", "--seed", "3", "--top-p", "0.9"])
+        runs.append(capsys.readouterr().out)
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("case", ["missing", "no_weights", "empty_prompt"])
+def test_generate_errors_are_clear(checkpoint, tmp_path, capsys, case):
+    """A missing or invalid checkpoint and an empty prompt exit with status 2 and a message saying so."""
+    path = str(checkpoint[0])
+    if case == "missing":
+        args, message = [str(tmp_path / "nowhere"), "--prompt", "x"], "does not exist"
+    elif case == "no_weights":
+        checkpoint[2].save(tmp_path)
+        checkpoint[1].config.save(tmp_path)
+        args, message = [str(tmp_path), "--prompt", "x"], "no model.safetensors"
+    else:
+        args, message = [path, "--prompt", ""], "prompt is empty"
+    assert main(["generate", *args]) == 2
+    assert message in capsys.readouterr().err

@@ -1,4 +1,8 @@
-"""The `k3` command line: `k3 info PRESET_OR_PATH [--json]`."""
+"""The `k3` command line.
+
+    k3 info PRESET_OR_PATH [--json]                 architecture report (meta device, no memory)
+    k3 generate CHECKPOINT --prompt TEXT [...]      stream a continuation from a checkpoint directory
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 from k3.config import PRESETS, K3Config
 from k3.model import K3ForCausalLM
 from k3.model.accounting import cache_sizes, count_parameters, forward_flops_per_token
+from k3.tokenizer import K3Tokenizer
 
 _LABELS = {
     "embedding": "input embedding", "lm_head": "LM head", "kda": "KDA layers", "mla": "MLA layers",
@@ -112,6 +117,44 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+class TextStreamer:
+    """Prints the decoded continuation of row 0 as tokens arrive (whole characters only: a partial UTF-8
+    sequence waits for its next byte)."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out, self.ids, self.printed = tokenizer, out or sys.stdout, [], 0
+
+    def put(self, tokens_B: torch.Tensor) -> None:
+        self.ids.append(int(tokens_B[0]))
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            self.out.write(text[self.printed:])
+            self.out.flush()
+            self.printed = len(text)
+
+    def end(self) -> None:
+        self.out.write(self.tokenizer.decode(self.ids)[self.printed:] + "\n")
+        self.out.flush()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.checkpoint):
+        raise ValueError(f"checkpoint directory {args.checkpoint!r} does not exist")
+    if not args.prompt:
+        raise ValueError("the prompt is empty")
+    tokenizer = K3Tokenizer.load(args.checkpoint)
+    model = K3ForCausalLM.from_pretrained(args.checkpoint).eval()
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
+                         f"{model.config.vocab_size}")
+    ids = torch.tensor([tokenizer.encode(args.prompt)])
+    stops = [t for t in (tokenizer.eos_token_id, tokenizer.eod_token_id) if t is not None]
+    print(args.prompt, end="", flush=True)
+    model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   eos_token_id=stops or None, seed=args.seed, streamer=TextStreamer(tokenizer))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 in PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,10 +162,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a checkpoint directory / config.json")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_info)
+    p = sub.add_parser("generate", help="stream a continuation of a prompt from a checkpoint directory")
+    p.add_argument("checkpoint", help="directory with config.json, safetensors weights and the tokenizer files")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None, help="reproducible sampling")
+    p.set_defaults(func=cmd_generate)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:  # includes CheckpointError
         print(f"k3 {args.command}: error: {e}", file=sys.stderr)
         return 2
 

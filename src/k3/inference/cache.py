@@ -89,22 +89,34 @@ class StepContext:
     """What the sequence mixers need to know about a call besides its hidden states.
 
     `start` is the position of the first new token; `valid_BT` marks the real (non-padding) new tokens (None:
-    all real); `key_valid_BS` marks the real tokens among all `start + T` positions (None: all real).
+    all real); `key_valid_BS` marks the real tokens among all `start + T` positions (None: all real);
+    `document_ids_BT` marks the documents of packed rows (None: one sequence per row).
     """
 
     start: int = 0
     valid_BT: torch.Tensor | None = None
     key_valid_BS: torch.Tensor | None = None
+    document_ids_BT: torch.Tensor | None = None
 
 
 def step_context(cache: K3Cache | None, B: int, T: int, attention_mask: torch.Tensor | None,
-                 device: torch.device) -> StepContext:
-    """Validate a call's cache and `attention_mask` and record the new tokens in the cache's `key_mask`.
+                 device: torch.device, document_ids: torch.Tensor | None = None) -> StepContext:
+    """Validate a call's cache, `attention_mask` and `document_ids`; record the new tokens in the cache.
 
     `attention_mask` (1 = real token, 0 = padding) covers either the past and the new tokens [B, length + T]
     (Hugging Face convention) or only the new ones [B, T]. Padding must be on the left: once a sequence has a
-    real token, all its later tokens are real.
+    real token, all its later tokens are real. `document_ids` [B, T] (packed training rows: non-decreasing
+    integers, equal = same document) cannot be combined with a cache or a mask.
     """
+    if document_ids is not None:
+        if cache is not None or attention_mask is not None:
+            raise ValueError("document_ids (packed rows) cannot be combined with a cache or an attention_mask")
+        if tuple(document_ids.shape) != (B, T) or document_ids.is_floating_point():
+            raise ValueError(f"document_ids must be an integer tensor of shape {[B, T]}, got "
+                             f"{document_ids.dtype} {tuple(document_ids.shape)}")
+        if (document_ids[:, 1:] < document_ids[:, :-1]).any():
+            raise ValueError("document_ids must be non-decreasing along each row (contiguous documents)")
+        return StepContext(document_ids_BT=document_ids.to(device))
     start = 0 if cache is None else cache.length
     if cache is not None and cache.batch_size != B:
         raise ValueError(f"input batch size {B} does not match the cache's batch size {cache.batch_size}")

@@ -85,10 +85,11 @@ class K3Model(nn.Module):
         self.norm = RMSNorm(D, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.LongTensor, cache: K3Cache | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states [B, T, D] after `model.norm`, for the new tokens only when a cache is given."""
         B, T = input_ids.shape
-        ctx = step_context(cache, B, T, attention_mask, input_ids.device)
+        ctx = step_context(cache, B, T, attention_mask, input_ids.device, document_ids)
         cur_BTD, bank = self.embed_tokens(input_ids), []
         for i, layer in enumerate(self.layers):
             cur_BTD, bank = layer(cur_BTD, bank, None if cache is None else cache.layers[i], ctx)
@@ -148,20 +149,25 @@ class K3ForCausalLM(nn.Module):
         return K3Cache(self.config, batch_size, weight.dtype, weight.device, capacity)
 
     def forward(self, input_ids: torch.LongTensor, labels: torch.LongTensor | None = None,
-                cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
+                cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> CausalLMOutput:
         """`labels` follow the HF convention: same shape as `input_ids`, shifted inside so position t predicts
         token t+1; -100 is ignored. The loss is computed in fp32.
 
         With `cache` (from `make_cache`), the call consumes the new tokens, appends them to the cache and returns
-        their logits only. `attention_mask` (1 real, 0 padding; left padding) is [B, past + new] or [B, new]."""
+        their logits only. `attention_mask` (1 real, 0 padding; left padding) is [B, past + new] or [B, new].
+        `document_ids` [B, T] packs several documents per row: nothing crosses a boundary (KDA state and conv
+        window restart, MLA attention stays inside the document, no loss on the next document's first token)."""
         self.check_input_ids(input_ids)
-        logits_BTV = self.lm_head(self.model(input_ids, cache, attention_mask))
+        logits_BTV = self.lm_head(self.model(input_ids, cache, attention_mask, document_ids))
         loss = None
         if labels is not None:
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
-            loss = F.cross_entropy(fp32(logits_BTV[:, :-1]).flatten(0, 1), labels[:, 1:].flatten(),
-                                   ignore_index=-100)
+            targets_BT = labels[:, 1:]
+            if document_ids is not None:  # never predict across a document boundary
+                targets_BT = targets_BT.masked_fill(document_ids[:, 1:] != document_ids[:, :-1], -100)
+            loss = F.cross_entropy(fp32(logits_BTV[:, :-1]).flatten(0, 1), targets_BT.flatten(), ignore_index=-100)
         return CausalLMOutput(logits=logits_BTV, loss=loss)
 
     def generate(self, input_ids: torch.LongTensor, max_new_tokens: int, temperature: float = 1.0,

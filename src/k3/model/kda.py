@@ -16,6 +16,7 @@ from k3.inference.cache import KDACache, StepContext
 from k3.model.norm import RMSNorm, l2_normalize, rms_normalize
 from k3.model.precision import KeepFP32, fp32
 from k3.ops.kda import chunk_kda, recurrent_kda
+from k3.ops.kda.varlen import kda_by_document
 
 
 def kda_decay(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor,
@@ -32,19 +33,26 @@ def kda_decay(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Ten
     return lower_bound * torch.sigmoid(A_H11 * x_BTHK)
 
 
-def short_conv(x_BTP: torch.Tensor, weight_P1W: torch.Tensor,
-               context_BWP: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def short_conv(x_BTP: torch.Tensor, weight_P1W: torch.Tensor, context_BWP: torch.Tensor | None = None,
+               document_ids_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise conv + SiLU in fp32, cast back (spec §3.2 step 2, §3.7); tap W−1 is the current token.
 
-    `context` holds the W−1 inputs before x (zeros for a fresh sequence). Returns (output [B,T,P], the last
-    W−1 inputs [B,W−1,P] = the context of the next call).
+    `context` holds the W−1 inputs before x (zeros for a fresh sequence). With `document_ids`, a tap never
+    reads an input of another document (packed rows, spec §3.8). Returns (output [B,T,P], the last W−1
+    inputs [B,W−1,P] = the context of the next call).
     """
     W = weight_P1W.shape[-1]
     if context_BWP is None:
         context_BWP = x_BTP.new_zeros(x_BTP.shape[0], W - 1, x_BTP.shape[2])
     full_BTP = torch.cat([context_BWP.to(x_BTP.dtype), x_BTP], dim=1)
     x_BPT = fp32(full_BTP).transpose(1, 2)
-    y_BPT = F.conv1d(x_BPT, weight_P1W.to(x_BPT.dtype), groups=weight_P1W.shape[0])
+    if document_ids_BT is None:
+        y_BPT = F.conv1d(x_BPT, weight_P1W.to(x_BPT.dtype), groups=weight_P1W.shape[0])
+    else:  # y_t = Σ_j w_j · x_{t−(W−1)+j} · [same document as t]
+        T = x_BTP.shape[1]
+        doc_BT = F.pad(document_ids_BT, (W - 1, 0), value=-1)  # the (zero) context belongs to no document
+        y_BPT = sum(weight_P1W[:, 0, j, None].to(x_BPT.dtype) * x_BPT[..., j: j + T]
+                    * (doc_BT[:, j: j + T] == document_ids_BT)[:, None] for j in range(W))
     return F.silu(y_BPT).transpose(1, 2).to(x_BTP.dtype), full_BTP[:, full_BTP.shape[1] - (W - 1):]
 
 
@@ -101,13 +109,16 @@ class KimiDeltaAttention(KeepFP32):
         """x is the `input_layernorm` output; returns the layer output [B, T, D] (spec §3.2).
 
         With a cache, the conv windows and the recurrent state continue from it and are updated in place; a
-        one-token call uses the recurrent form, longer calls the chunked one (spec §3.7). Padding tokens
+        one-token call uses the recurrent form, longer calls the chunked one (spec §3.7). With
+        `ctx.document_ids_BT` (packed rows) the conv window and the state restart at every document. Padding tokens
         (`ctx.valid_BT` false) enter neither the conv windows (their inputs are zeroed, like the zero context
         of a fresh sequence) nor the state (identity steps: k = 0, g = 0, β = 0; spec §3.8).
         """
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
-        valid_BT1 = None if ctx is None or ctx.valid_BT is None else ctx.valid_BT[..., None]
+        ctx = ctx or StepContext()
+        valid_BT1 = None if ctx.valid_BT is None else ctx.valid_BT[..., None]
+        documents = ctx.document_ids_BT
         streams = []
         for i, (proj, conv) in enumerate(((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d),
                                           (self.v_proj, self.v_conv1d))):
@@ -115,7 +126,7 @@ class KimiDeltaAttention(KeepFP32):
             if valid_BT1 is not None:
                 x_BTP = x_BTP.masked_fill(~valid_BT1, 0)
             context_BWP = None if cache is None else cache.conv_state_B3WP[:, i]
-            y_BTP, context_BWP = short_conv(x_BTP, conv.weight, context_BWP)
+            y_BTP, context_BWP = short_conv(x_BTP, conv.weight, context_BWP, documents)
             if cache is not None:
                 cache.conv_state_B3WP[:, i] = context_BWP
             streams.append(y_BTP.view(B, T, H, K))
@@ -129,7 +140,11 @@ class KimiDeltaAttention(KeepFP32):
             g_BTHK = g_BTHK.masked_fill(~valid_BT1[..., None], 0)
             beta_BTH = beta_BTH.masked_fill(~valid_BT1, 0)
         state = None if cache is None else cache.recurrent_state_BHKV
-        if self.config.kda_impl == "recurrent" or (T == 1 and cache is not None):
+        op = recurrent_kda if self.config.kda_impl == "recurrent" else chunk_kda
+        if documents is not None:  # packed rows: every document starts from a zero state
+            kwargs = {} if op is recurrent_kda else {"chunk_size": self.config.kda_chunk_size}
+            o_BTHK = kda_by_document(op, q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, documents, **kwargs)
+        elif op is recurrent_kda or (T == 1 and cache is not None):
             o_BTHK, state = recurrent_kda(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, initial_state=state,
                                           output_final_state=cache is not None)
         else:

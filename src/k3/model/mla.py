@@ -71,7 +71,7 @@ class GatedMLA(nn.Module):
         if cache is not None:
             cache.latent_BSL[:, ctx.start: ctx.start + T] = latent_BSL
             latent_BSL = cache.latent_BSL[:, : ctx.start + T]
-        mask_B1TS = attention_mask(T, ctx.start, ctx.key_valid_BS, x_BTD.device)
+        mask_B1TS = attention_mask(T, ctx.start, ctx.key_valid_BS, x_BTD.device, ctx.document_ids_BT)
         q_nope_BTHN, q_pe_BTHR = self.project_query(x_BTD)
         if T == 1 and cache is not None and self.config.mla_decode == "absorbed":
             o_BTHV = self.attend_absorbed(q_nope_BTHN, q_pe_BTHR, latent_BSL, mask_B1TS)
@@ -116,18 +116,21 @@ class GatedMLA(nn.Module):
         return torch.einsum("bthc,hvc->bthv", o_lat_BTHC, W_UV_HVC)
 
 
-def attention_mask(T: int, start: int, key_valid_BS: torch.Tensor | None,
-                   device: torch.device) -> torch.Tensor | None:
-    """Boolean [B|1, 1, T, start+T] mask: new token t sees positions ≤ start+t that are real tokens.
+def attention_mask(T: int, start: int, key_valid_BS: torch.Tensor | None, device: torch.device,
+                   document_ids_BT: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Boolean [B|1, 1, T, start+T] mask: new token t sees positions ≤ start+t that are real tokens of its own
+    document (packed rows, spec §3.8).
 
     A padding query also sees itself, so no softmax row is empty (its output is discarded anyway). Returns None
-    for a fresh, unpadded sequence (plain causal attention).
+    for a fresh, unpadded, unpacked sequence (plain causal attention).
     """
-    if start == 0 and key_valid_BS is None:
+    if start == 0 and key_valid_BS is None and document_ids_BT is None:
         return None
     q_T1 = torch.arange(start, start + T, device=device)[:, None]
     k_S = torch.arange(start + T, device=device)
     mask_TS = k_S <= q_T1
+    if document_ids_BT is not None:
+        return (mask_TS & (document_ids_BT[:, :, None] == document_ids_BT[:, None, :]))[:, None]
     if key_valid_BS is None:
         return mask_TS[None, None]
     return ((mask_TS & key_valid_BS[:, None, :]) | (k_S == q_T1))[:, None]

@@ -21,7 +21,14 @@ def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) ->
     the sources' dtype. Each source is [B, T, D]; the mix is per token.
     """
     V_SBTD = fp32(torch.stack(sources))
+    return torch.einsum("sbt,sbtd->btd", _weights(V_SBTD, norm, proj), V_SBTD).to(sources[0].dtype)
+
+
+def attn_res_weights(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
+    """The mixing weights p [S, B, T] of `attn_res_mix` over its sources (for inspection and plots)."""
+    return _weights(fp32(torch.stack(sources)), norm, proj)
+
+
+def _weights(V_SBTD: torch.Tensor, norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
     query_D = (norm.weight * proj.weight[0]).to(V_SBTD.dtype)  # γ ⊙ w
-    s_SBT = rms_normalize(V_SBTD, norm.eps) @ query_D
-    p_SBT = torch.softmax(s_SBT, dim=0)
-    return torch.einsum("sbt,sbtd->btd", p_SBT, V_SBTD).to(sources[0].dtype)
+    return torch.softmax(rms_normalize(V_SBTD, norm.eps) @ query_D, dim=0)

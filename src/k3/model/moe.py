@@ -20,6 +20,11 @@ class MoEGate(KeepFP32):
 
     `e_score_correction_bias` (fp32 buffer, written only by load balancing) is added to the sigmoid scores for
     expert *selection*; the weights come from the unbiased scores, renormalised, times `routed_scaling_factor`.
+
+    `observer` (default None) is a training hook for load balancing (spec §7.2, `k3.train.balance`): when set,
+    every forward calls `observer(scores_NE, choice_NE, idx_Nk)` with the detached fp32 unbiased sigmoid
+    scores, the selection scores (scores + bias, after any group limit) and the chosen indices. It only reads;
+    the forward's result and gradients are the same with or without it.
     """
 
     fp32_names = ("e_score_correction_bias",)
@@ -29,6 +34,7 @@ class MoEGate(KeepFP32):
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        self.observer = None
 
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (top-k expert indices [N, k] int64, their fp32 weights [N, k])."""
@@ -39,6 +45,8 @@ class MoEGate(KeepFP32):
         if cfg.num_expert_group > 1 and cfg.topk_group < cfg.num_expert_group:
             choice_NE = self._limit_groups(choice_NE)
         idx_Nk = torch.topk(choice_NE, cfg.num_experts_per_token, dim=-1).indices
+        if self.observer is not None:
+            self.observer(scores_NE.detach(), choice_NE.detach(), idx_Nk)
         w_Nk = scores_NE.gather(-1, idx_Nk)
         if cfg.moe_renormalize:
             w_Nk = w_Nk / (w_Nk.sum(-1, keepdim=True) + 1e-20)

@@ -1,0 +1,91 @@
+"""QK-Clip for the gated MLA layers (spec §8.6) and a reference per-head max-logit computation.
+
+Shape legend: B batch, T query time, S key time, H heads, N = qk_nope_head_dim, R = qk_rope_head_dim,
+Vh = v_head_dim, C = kv_lora_rank, Q = q_lora_rank, d one head's rows of a weight.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from k3.model.mla import GatedMLA
+from k3.model.precision import fp32
+
+_MLA_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn$")
+
+
+def mla_layers(model: nn.Module) -> dict[int, GatedMLA]:
+    """The MLA sequence mixers of a `K3ForCausalLM` / `K3Model`, by 0-based decoder layer index."""
+    layers = {}
+    for name, module in model.named_modules():
+        match = _MLA_RE.search(name)
+        if match is not None and isinstance(module, GatedMLA):
+            layers[int(match.group(1))] = module
+    return layers
+
+
+@torch.no_grad()
+def qk_clip_(model_or_mla_layers: nn.Module | Mapping[int, GatedMLA], max_logits: Mapping[int, torch.Tensor],
+             tau: float = 100.0) -> dict[int, torch.Tensor]:
+    """Rescale the MLA query/key weights of every head whose max logit exceeded τ, in place (spec §8.6).
+
+    `max_logits[i]` [H] is S_max of MLA layer i for this step: the largest pre-softmax logit (already scaled by
+    1/sqrt(N + R)) over all valid causal pairs of all micro-batches, all-reduced (MAX) across data-parallel
+    ranks. Layers absent from `max_logits` are left alone. For heads with S_max > τ, γ = τ / S_max and
+
+        q_b_proj rows of head h: q_nope part × sqrt(γ), q_pe part × γ;
+        kv_b_proj rows of head h: k_nope part × sqrt(γ); the v part is untouched;
+
+    so every logit of head h scales by exactly γ while the head-shared k_pe (in `kv_a_proj_with_mqa`) and
+    `q_a_proj` stay unchanged. Other heads' weights are multiplied by exactly 1 (bit-identical). Returns γ [H]
+    (fp32, 1 where not clipped) for each layer in `max_logits`.
+    """
+    layers = model_or_mla_layers if isinstance(model_or_mla_layers, Mapping) else mla_layers(model_or_mla_layers)
+    gammas = {}
+    for i, S_max_H in max_logits.items():
+        if i not in layers:
+            raise KeyError(f"max_logits has layer {i}, which is not an MLA layer (MLA layers: {sorted(layers)})")
+        mla = layers[i]
+        cfg = mla.config
+        N = cfg.qk_nope_head_dim
+        S_max_H = S_max_H.detach().float().to(mla.q_b_proj.weight.device)
+        gamma_H = torch.where(S_max_H > tau, tau / S_max_H, torch.ones_like(S_max_H))
+        W_qb_HdQ = mla.q_b_proj.weight.view(mla.num_heads, N + cfg.qk_rope_head_dim, -1)
+        W_kvb_HdC = mla.kv_b_proj.weight.view(mla.num_heads, N + cfg.v_head_dim, -1)
+        _scale_rows_(W_qb_HdQ[:, :N], gamma_H.sqrt())
+        _scale_rows_(W_qb_HdQ[:, N:], gamma_H)
+        _scale_rows_(W_kvb_HdC[:, :N], gamma_H.sqrt())
+        gammas[i] = gamma_H
+    return gammas
+
+
+def _scale_rows_(W_HdX: torch.Tensor, factor_H: torch.Tensor) -> None:
+    """W[h] ← W[h]·factor[h] in place (W [H, d, columns]), computed in at least fp32 and rounded once to W's dtype."""
+    W_HdX.copy_(fp32(W_HdX) * factor_H.to(torch.promote_types(W_HdX.dtype, torch.float32))[:, None, None])
+
+
+@torch.no_grad()
+def mla_max_logits(mla: GatedMLA, x_BTD: torch.Tensor, document_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-head max pre-softmax logit [H] (fp32) of one MLA layer on its input x (spec §8.6 step 1).
+
+    x is the layer's `input_layernorm` output [B, T, D]. Logits are [q_nope ‖ q_pe]·[k_nope ‖ k_pe] / sqrt(N + R)
+    over causal pairs (key ≤ query), within a document when `document_ids_BT` (packed rows) is given; the max
+    runs over batch, queries and keys. Recomputes the scores from the module's own projections, so it costs one
+    extra QKᵀ per layer.
+    """
+    cfg = mla.config
+    B, T, _ = x_BTD.shape
+    N, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    q_nope_BTHN, q_pe_BTHR = mla.project_query(x_BTD)
+    c_BTC, k_pe_BTR = mla.compress_kv(x_BTD).split([cfg.kv_lora_rank, R], dim=-1)
+    k_nope_BTHN = mla.kv_b_proj(c_BTC).view(B, T, mla.num_heads, -1)[..., :N]
+    scores_BHTS = (torch.einsum("bthn,bshn->bhts", fp32(q_nope_BTHN), fp32(k_nope_BTHN))
+                   + torch.einsum("bthr,bsr->bhts", fp32(q_pe_BTHR), fp32(k_pe_BTR))) * mla.scale
+    valid_BTS = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()[None]
+    if document_ids_BT is not None:
+        valid_BTS = valid_BTS & (document_ids_BT[:, :, None] == document_ids_BT[:, None, :])
+    return scores_BHTS.masked_fill(~valid_BTS[:, None], float("-inf")).amax(dim=(0, 2, 3))

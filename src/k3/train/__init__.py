@@ -1,0 +1,1 @@
+"""Training: Quantile Balancing of the router biases (balance.py, spec §7)."""

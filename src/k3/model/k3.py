@@ -5,12 +5,14 @@ Shape legend: B batch, T time, D hidden, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from k3.checkpoint import is_fp32_tensor, load_checkpoint_state, save_checkpoint_state
 from k3.config import K3Config
@@ -23,6 +25,25 @@ from k3.model.mla import GatedMLA
 from k3.model.moe import MoEGate, RoutedExperts, StableLatentMoE
 from k3.model.norm import RMSNorm
 from k3.model.precision import fp32
+
+
+_recomputing = False
+
+
+def is_recomputing() -> bool:
+    """True while activation checkpointing re-runs a layer's forward during backward: training statistics
+    (load balancing, QK-Clip logits) must not count those tokens twice."""
+    return _recomputing
+
+
+@contextlib.contextmanager
+def _recompute():
+    global _recomputing
+    _recomputing = True
+    try:
+        yield
+    finally:
+        _recomputing = False
 
 
 @dataclass
@@ -83,6 +104,7 @@ class K3Model(nn.Module):
         self.output_attn_res_norm = RMSNorm(D, config.rms_norm_eps)
         self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
         self.norm = RMSNorm(D, config.rms_norm_eps)
+        self.gradient_checkpointing = False  # recompute each layer's activations in backward (training memory)
 
     def forward(self, input_ids: torch.LongTensor, cache: K3Cache | None = None,
                 attention_mask: torch.Tensor | None = None,
@@ -91,8 +113,13 @@ class K3Model(nn.Module):
         B, T = input_ids.shape
         ctx = step_context(cache, B, T, attention_mask, input_ids.device, document_ids)
         cur_BTD, bank = self.embed_tokens(input_ids), []
+        recompute = self.gradient_checkpointing and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            cur_BTD, bank = layer(cur_BTD, bank, None if cache is None else cache.layers[i], ctx)
+            if recompute:
+                cur_BTD, bank = checkpoint(layer, cur_BTD, bank, None, ctx, use_reentrant=False,
+                                           context_fn=lambda: (contextlib.nullcontext(), _recompute()))
+            else:
+                cur_BTD, bank = layer(cur_BTD, bank, None if cache is None else cache.layers[i], ctx)
         if cache is not None:
             cache.length += T
         out_BTD = attn_res_mix(bank + [cur_BTD], self.output_attn_res_norm, self.output_attn_res_proj)

@@ -15,9 +15,9 @@ Use in a training step (spec §7.6)::
 
 The forwards of step t route with the bias installed by step t−1 and only accumulate statistics; `step()`
 installs the new bias afterwards, so the bias routing a batch never depends on that batch (§7.2). Statistics
-are taken only while a gate is in training mode (evaluation forwards do not count). A trainer that adds
-activation checkpointing must keep the recomputed forwards away from the balancer (each token counts once
-per step, §7.2).
+are taken only while a gate is in training mode (evaluation forwards do not count) and never during an
+activation-checkpointing recomputation (`k3.model.k3.is_recomputing`), so each token counts once per step
+(§7.2).
 
 Shape legend: N tokens, E routed experts, k experts per token, B histogram buckets (n_bins + 2).
 """
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from k3.model.k3 import is_recomputing
 from k3.model.moe import MoEGate
 
 METHODS = ("qb", "qb_exact", "sign", "none")
@@ -153,7 +154,7 @@ class QuantileBalancer:
 
     def _observer(self, layer: _GateStats):
         def observe(scores_NE: torch.Tensor, choice_NE: torch.Tensor, idx_Nk: torch.Tensor) -> None:
-            if layer.gate.training:
+            if layer.gate.training and not is_recomputing():
                 self._accumulate(layer, scores_NE, choice_NE, idx_Nk)
         return observe
 

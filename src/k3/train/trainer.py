@@ -101,6 +101,8 @@ class Trainer:
         resume_from = latest_checkpoint(self.out) if args.resume else None
         if args.resume and resume_from is None:
             raise ValueError(f"--resume: {self.out} has no complete checkpoint")
+        if not args.resume and latest_checkpoint(self.out) is not None:
+            raise ValueError(f"{self.out} already holds a run; continue it with --resume or choose another --out")
         torch.manual_seed(args.seed)
         if resume_from is not None:
             self.model = K3ForCausalLM.from_pretrained(resume_from).to(self.device)

@@ -77,7 +77,7 @@ def test_loss_is_shifted_cross_entropy_ignoring_minus_100(tiny_model):
 
 
 def test_input_validation(tiny_model):
-    """Out-of-vocabulary, negative, float and 1-D input_ids, and mismatched labels, raise ValueError."""
+    """Out-of-vocabulary, negative, float, 1-D and empty input_ids, and mismatched labels, raise ValueError."""
     model = tiny_model(seed=2)
     ok = ids_for(256, 1, 5, 3)
     bad = ok.clone()
@@ -95,6 +95,8 @@ def test_input_validation(tiny_model):
         model(ok.float())
     with pytest.raises(ValueError):
         model(ok[0])
+    with pytest.raises(ValueError, match="at least one token"):
+        model(ok[:, :0])
     with pytest.raises(ValueError, match="labels"):
         model(ok, labels=ok[:, :-1])
     assert model(ok.int()).logits.shape == (1, 5, 256)

@@ -160,8 +160,9 @@ class K3ForCausalLM(nn.Module):
         """Reject anything but a [B, T] integer tensor of ids in 0..vocab_size-1, naming the bad id."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be an int64/int32 tensor, got {getattr(input_ids, 'dtype', type(input_ids))}")
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must have shape [batch, time], got {tuple(input_ids.shape)}")
+        if input_ids.dim() != 2 or 0 in input_ids.shape:
+            raise ValueError(f"input_ids must have shape [batch, time] with at least one token, "
+                             f"got {tuple(input_ids.shape)}")
         if input_ids.numel():
             lo, hi = int(input_ids.min()), int(input_ids.max())
             vocab = self.config.vocab_size

@@ -65,7 +65,6 @@ def test_chunked_prefill_3000_then_decode_equals_full_forward():
     assert torch.equal(logits.argmax(-1), full.argmax(-1))
 
 
-@pytest.mark.slow
 def test_decode_after_32k_chunked_prefill():
     """k3-tiny fp32: decode after a 32768-token chunked prefill == a differently chunked prefill (≤ 1e-4)."""
     model = k3_tiny(seed=32)

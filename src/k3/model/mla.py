@@ -90,10 +90,13 @@ class GatedMLA(nn.Module):
         # key = [k_nope ‖ k_pe broadcast over heads]; query = [q_nope ‖ q_pe]; no rotation anywhere
         key_BSHQ = torch.cat([k_nope_BSHN, k_pe_BSR[:, :, None].expand(B, S, H, -1)], dim=-1)
         query_BTHQ = torch.cat([q_nope_BTHN, q_pe_BTHR], dim=-1)
+        # SDPA's fused CPU kernel needs equal q/k and v head dims (else it falls back to materialising all
+        # scores): zero-pad v to the qk width and drop the padded output channels (exact)
+        pad = query_BTHQ.shape[-1] - v_BSHV.shape[-1]
         o_BHTV = F.scaled_dot_product_attention(
-            query_BTHQ.transpose(1, 2), key_BSHQ.transpose(1, 2), v_BSHV.transpose(1, 2),
+            query_BTHQ.transpose(1, 2), key_BSHQ.transpose(1, 2), F.pad(v_BSHV, (0, max(pad, 0))).transpose(1, 2),
             attn_mask=mask_B1TS, is_causal=mask_B1TS is None, scale=self.scale)
-        return o_BHTV.transpose(1, 2)
+        return o_BHTV[..., : v_BSHV.shape[-1]].transpose(1, 2)
 
     def attend_absorbed(self, q_nope_BTHN: torch.Tensor, q_pe_BTHR: torch.Tensor, latent_BSL: torch.Tensor,
                         mask_B1TS: torch.Tensor | None) -> torch.Tensor:

@@ -40,7 +40,8 @@ class TrainArgs:
     seq_len: int = 256
     batch_size: int = 16
     grad_accum: int = 1
-    lr: float = 3e-3  # peak; Muon's RMS matching lets one rate serve Muon and AdamW (spec §8.2)
+    lr: float = 0.03  # peak (tuned on the k3-tiny demo; lower it for larger models); Muon's RMS matching
+    # lets one rate serve Muon and AdamW (spec §8.2)
     min_lr_ratio: float = 0.1
     warmup_frac: float = 0.01
     schedule: str = "cosine"  # "cosine" (K3) | "wsd"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from k3.config import K3Config
 
 # spec §12.2: pairwise-distinct dims, same layer pattern and mechanisms as K3
@@ -50,3 +52,8 @@ TINY_CONFORMANCE = dict(
 
 def build_tiny_config(**overrides) -> K3Config:
     return K3Config(**{**TINY_CONFORMANCE, **overrides})
+
+
+def ids_for(vocab: int, B: int, T: int, seed: int) -> torch.Tensor:
+    """Seeded random token ids [B, T]."""
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))

@@ -17,19 +17,12 @@ from k3.config import K3Config
 from k3.inference.cache import KDACache, MLACache, step_context
 from k3.model import K3ForCausalLM
 from k3.model.mla import GatedMLA, attention_mask
+from conformance import ids_for
+
+pytestmark = pytest.mark.usefixtures("no_grad")
 
 T_FULL = 70
 SPLITS = (1, 5, 37, 64, 65, T_FULL - 1)  # around the 64-token KDA chunk, a length-1 prompt, one decode step
-
-
-@pytest.fixture(autouse=True)
-def _no_grad():
-    with torch.no_grad():
-        yield
-
-
-def ids_for(vocab: int, B: int, T: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 def run_pieces(model: K3ForCausalLM, ids: torch.Tensor, pieces: list[int], cache=None, **cache_kw):

@@ -17,23 +17,16 @@ import torch
 from k3.config import K3Config
 from k3.inference.cache import MLACache
 from k3.model import K3ForCausalLM
+from conformance import ids_for
+
+pytestmark = pytest.mark.usefixtures("no_grad")
 
 N_DECODE = 4
-
-
-@pytest.fixture(autouse=True)
-def _no_grad():
-    with torch.no_grad():
-        yield
 
 
 def k3_tiny(seed: int) -> K3ForCausalLM:
     torch.manual_seed(seed)
     return K3ForCausalLM(K3Config.from_preset("k3-tiny")).eval()
-
-
-def ids_for(vocab: int, B: int, T: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

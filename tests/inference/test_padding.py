@@ -11,19 +11,12 @@ import torch
 
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
+from conformance import ids_for
+
+pytestmark = pytest.mark.usefixtures("no_grad")
 
 PROMPT_LENGTHS = (13, 20, 7)  # row 2's first 13 positions are padding
 N_DECODE = 6
-
-
-@pytest.fixture(autouse=True)
-def _no_grad():
-    with torch.no_grad():
-        yield
-
-
-def ids_for(vocab: int, B: int, T: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -13,13 +13,10 @@ from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import StableLatentMoE
 from k3.model.norm import RMSNorm
+from conformance import ids_for
 
 FP32_PINNED = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight",
                "e_score_correction_bias")
-
-
-def ids_for(vocab: int, B: int, T: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 def tiny_preset_step(seed: int):

@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-DEMO_MINUTES ?= 7
+DEMO_MINUTES ?= 6
 DEMO_STAMP := $(shell date +%Y%m%d-%H%M%S)
 DEMO_RUN ?= runs/demo-$(DEMO_STAMP)
 

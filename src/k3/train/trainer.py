@@ -232,21 +232,31 @@ class Trainer:
         self.data.tokenizer.save(path)
         return path
 
+    def _size_schedule(self, deadline: float, eval_seconds: float) -> None:
+        """--minutes: run the first step, then fit the schedule's length into the remaining budget, evaluations
+        (every `eval_every` steps) included, with a 10 % margin for checkpoints and plots."""
+        self.total_steps = 10**9  # step 0 of the warm-up has lr 0 whatever the length
+        self.history.append(self.train_step())
+        step_seconds = self.history[-1]["seconds"]
+        remaining = 0.9 * (deadline - time.monotonic()) - eval_seconds
+        fitted = remaining / (step_seconds + eval_seconds / self.args.eval_every)
+        self.total_steps = max(self.step + 1, int(fitted))
+
     def run(self) -> dict:
         a = self.args
         self.out.mkdir(parents=True, exist_ok=True)
         deadline = None if a.minutes is None else time.monotonic() + 60 * a.minutes
         hooks = [mla.register_forward_pre_hook(self._record_max_logits(i)) for i, mla in self.mla.items()]
+        started = time.perf_counter()
         initial_val = self.history[0]["val_loss"] if self.history else self.evaluate()
+        eval_seconds = time.perf_counter() - started
         if not self.history:
             self.history.append({"step": 0, "val_loss": initial_val})
         last_saved = self.step
         try:
             with _StopRequest() as stop:
-                if self.total_steps is None:  # --minutes: size the schedule from the first step's speed
-                    self.history.append(self.train_step())
-                    elapsed = self.history[-1]["seconds"]
-                    self.total_steps = max(self.step + 1, int(60 * a.minutes / (elapsed * 1.15)))
+                if self.total_steps is None:
+                    self._size_schedule(deadline, eval_seconds)
                 bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True)
                 while self.step < self.total_steps:
                     metrics = self.train_step()

@@ -111,3 +111,12 @@ def test_activation_checkpointing_changes_nothing(corpus, tmp_path):
 def test_bad_arguments(corpus, tmp_path, bad):
     with pytest.raises(ValueError):
         _args(corpus, tmp_path, **bad)
+
+
+def test_time_budget_ends_the_run(corpus, tmp_path):
+    """--minutes: the schedule is sized after the first step; the run ends evaluated, checkpointed and exported."""
+    summary = train(_args(corpus, tmp_path, steps=None, minutes=0.1))
+    assert summary["finished"] and summary["step"] >= 2
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == summary["step"] and "val_loss" in last

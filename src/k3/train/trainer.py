@@ -258,20 +258,22 @@ class Trainer:
                 if self.total_steps is None:
                     self._size_schedule(deadline, eval_seconds)
                 bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True)
-                while self.step < self.total_steps:
+                finished = self.step >= self.total_steps
+                while not finished:
                     metrics = self.train_step()
-                    if self.step % a.eval_every == 0 or self.step == self.total_steps:
+                    # the schedule's end or the --minutes budget ends the run; Ctrl-C / --stop-after pause it
+                    finished = self.step == self.total_steps or (deadline is not None and time.monotonic() > deadline)
+                    paused = stop.requested or self.step == a.stop_after
+                    if self.step % a.eval_every == 0 or finished:
                         metrics["val_loss"] = self.evaluate()
                     self.history.append(metrics)
                     bar.update(1)
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
                                     lr=f"{metrics['lr']:.2e}", maxvio=f"{metrics['max_vio']:.2f}")
-                    out_of_time = deadline is not None and time.monotonic() > deadline
-                    stopping = stop.requested or out_of_time or self.step == a.stop_after
-                    if self.step % a.checkpoint_every == 0 or self.step == self.total_steps or stopping:
+                    if self.step % a.checkpoint_every == 0 or finished or paused:
                         self.save()
                         last_saved = self.step
-                    if stopping:
+                    if paused:
                         break
                 bar.close()
         except TrainingDiverged:
@@ -284,10 +286,9 @@ class Trainer:
             for h in hooks:
                 h.remove()
         final_val = next(m["val_loss"] for m in reversed(self.history) if "val_loss" in m)
-        done = self.step >= self.total_steps
-        return {"step": self.step, "total_steps": self.total_steps, "finished": done,
+        return {"step": self.step, "total_steps": self.total_steps, "finished": finished,
                 "initial_val_loss": initial_val, "final_val_loss": final_val,
-                "unigram_entropy": self.data.unigram_entropy, "model_dir": str(self.export()) if done else None,
+                "unigram_entropy": self.data.unigram_entropy, "model_dir": str(self.export()) if finished else None,
                 "checkpoint": str(latest_checkpoint(self.out))}
 
 

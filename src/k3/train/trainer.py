@@ -233,11 +233,12 @@ class Trainer:
         return path
 
     def _size_schedule(self, deadline: float, eval_seconds: float) -> None:
-        """--minutes: run the first step, then fit the schedule's length into the remaining budget, evaluations
-        (every `eval_every` steps) included, with a 10 % margin for checkpoints and plots."""
-        self.total_steps = 10**9  # step 0 of the warm-up has lr 0 whatever the length
-        self.history.append(self.train_step())
-        step_seconds = self.history[-1]["seconds"]
+        """--minutes: run two steps, then fit the schedule's length into the remaining budget, evaluations
+        (every `eval_every` steps) included, with a 10 % margin for checkpoints and plots. The first step pays
+        one-time costs, so the faster of the two sets the pace; both run at (almost) zero learning rate."""
+        self.total_steps = 10**9  # a provisional length: its 1 % warm-up keeps lr ≈ 0 for these steps
+        self.history += [self.train_step(), self.train_step()]
+        step_seconds = min(m["seconds"] for m in self.history[-2:])
         remaining = 0.9 * (deadline - time.monotonic()) - eval_seconds
         fitted = remaining / (step_seconds + eval_seconds / self.args.eval_every)
         self.total_steps = max(self.step + 1, int(fitted))

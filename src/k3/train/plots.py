@@ -70,9 +70,9 @@ def plot_attn_res(table: torch.Tensor, labels: list[str], path: str | os.PathLik
     fig, ax = plt.subplots(figsize=(6, 0.35 * len(labels) + 1.5))
     image = ax.imshow(table.numpy(), aspect="auto", cmap="magma", vmin=0, vmax=1)
     ax.set_yticks(range(len(labels)), labels)
-    n = table.shape[1]
-    ax.set_xticks(range(n), ["b0 (emb)"] + [f"b{i}" for i in range(1, n - 1)] + ["partial"] if n > 1 else ["b0"])
-    ax.set(title="AttnRes mixing weights (mean over tokens)", xlabel="source")
+    ax.set_xticks(range(table.shape[1]), ["b0 (emb)"] + [f"b{i}" for i in range(1, table.shape[1])])
+    ax.set(title="AttnRes mixing weights (mean over tokens)",
+           xlabel="source (each row's last one is its current partial sum)")
     fig.colorbar(image, ax=ax)
     _save(fig, path)
 

@@ -1,0 +1,325 @@
+"""Benchmark of cached decoding: cache size, context length, absorbed vs expanded MLA (spec §2.4, §4.4).
+
+k3-tiny and k3-small, random init, fp32 on CPU, B=1, under `torch.no_grad()`. For each preset one cache is
+filled by a chunked prefill and extended context by context (1K, 8K, 32K, 64K; --quick: 1K, 8K). At every
+context reached:
+
+* per-token decode latency: median over DECODE_STEPS one-token steps after one warm-up step, with the MLA
+  layers in the absorbed form (MQA over the latent, spec §4.4) and in the expanded form (spec §4.2). Each step
+  runs in both forms from the same cache state (paired), so both see the same tokens and the same machine
+  load; their logits are compared and the expanded/absorbed ratio is the median of the per-step ratios;
+* the time spent in the KDA and in the MLA `self_attn` sublayers of those steps (forward hooks): KDA keeps a
+  fixed-size state (spec §3.7), so its per-token cost must stay flat while MLA's grows with the context;
+* cache bytes: growth of `K3Cache.nbytes()` per decoded token and the fixed KDA state, against
+  `accounting.cache_sizes` (spec §2.4) with the actual dtype size;
+* at 1K and 8K: one cached decode step against recomputing the whole forward without a cache.
+
+Prefill time is not the measurement, but its throughput is reported. A context whose prefill would take the
+preset past --prefill-budget seconds (projected from the last chunk, or reached while prefilling) is skipped
+and reported as such. "CPU wait" is the share of wall time in which some task waited for a core
+(Linux PSI): well above 0 % means other processes were competing and the row's timings are inflated.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/decode.py [--quick] [--prefill-budget S] [--threads N]
+"""
+# Shape suffixes: B batch, T time, N decode steps, V vocabulary.
+
+import argparse
+import contextlib
+import datetime
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from k3.config import K3Config
+from k3.inference.cache import K3Cache, KDACache
+from k3.model.accounting import cache_sizes
+from k3.model.k3 import K3ForCausalLM
+
+PRESETS = ("k3-tiny", "k3-small")
+CONTEXTS = (1024, 8192, 32768, 65536)
+QUICK_CONTEXTS = (1024, 8192)
+NO_CACHE_CONTEXTS = (1024, 8192)  # where the full forward without a cache is also timed
+PREFILL_CHUNK = 2048  # the expanded MLA prefill materialises [H, chunk, context] scores (math SDPA path)
+MLA_DECODE_MODES = ("absorbed", "expanded")
+DECODE_STEPS = 16  # timed one-token steps per mode and context, after one warm-up step
+PREFILL_BUDGET_S = 180.0  # per preset, cumulative
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+class SublayerTimer:
+    """Wall time spent inside each decoder layer's `self_attn`, summed separately for KDA and MLA layers."""
+
+    def __init__(self, model: K3ForCausalLM):
+        self.seconds = {"kda": 0.0, "mla": 0.0}
+        self.enabled = False
+        for layer in model.model.layers:
+            kind = "kda" if layer.is_kda else "mla"
+            layer.self_attn.register_forward_pre_hook(self._start)
+            layer.self_attn.register_forward_hook(lambda module, args, out, kind=kind: self._stop(kind))
+        self.n_layers = {kind: sum((layer.is_kda == (kind == "kda")) for layer in model.model.layers)
+                         for kind in self.seconds}
+
+    def _start(self, module, args):
+        self._t0 = time.perf_counter()
+
+    def _stop(self, kind):
+        if self.enabled:
+            self.seconds[kind] += time.perf_counter() - self._t0
+
+    @contextlib.contextmanager
+    def measure(self):
+        """Reset, enable for the duration of the block; read `seconds` afterwards."""
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.enabled = True
+        try:
+            yield self
+        finally:
+            self.enabled = False
+
+
+@contextlib.contextmanager
+def mla_decode_mode(model: K3ForCausalLM, mode: str):
+    """Every GatedMLA reads `mla_decode` from the model's (shared) config at call time."""
+    previous, model.config.mla_decode = model.config.mla_decode, mode
+    try:
+        yield
+    finally:
+        model.config.mla_decode = previous
+
+
+def snapshot(cache: K3Cache):
+    """What a decode step changes besides positions it overwrites: the length and the KDA states."""
+    states = [(layer.conv_state_B3WP.clone(), layer.recurrent_state_BHKV.clone())
+              if isinstance(layer, KDACache) else None for layer in cache.layers]
+    return cache.length, states
+
+
+def restore(cache: K3Cache, snap) -> None:
+    """Put back the length and KDA states of `snapshot`; later MLA latent positions are simply overwritten."""
+    cache.length, states = snap
+    for layer, state in zip(cache.layers, states):
+        if state is not None:
+            layer.conv_state_B3WP.copy_(state[0])
+            layer.recurrent_state_BHKV = state[1].clone()
+
+
+def decode_paired(model, cache, ids_BT, timer, steps):
+    """One warm-up step, then `steps` timed steps feeding ids_BT[:, length + j], each step run in both MLA forms.
+
+    Every step is decoded absorbed and then expanded from the same cache state (the second restores what the
+    first changed), so both forms see the same tokens and the same machine load; the ratio is taken per step.
+    Returns per form the median seconds per step (total, in KDA `self_attn`, in MLA `self_attn`) and the
+    logits of every step [steps + 1, V]; also the median per-step ratio and the cache's byte growth per token.
+    """
+    seconds = {mode: {"total": [], "kda": [], "mla": []} for mode in MLA_DECODE_MODES}
+    logits = {mode: [] for mode in MLA_DECODE_MODES}
+    bytes_before, length_before = cache.nbytes(), cache.length
+    for j in range(steps + 1):
+        step_ids_B1 = ids_BT[:, cache.length: cache.length + 1]
+        before = snapshot(cache)
+        for mode in MLA_DECODE_MODES:
+            restore(cache, before)
+            with mla_decode_mode(model, mode), timer.measure():
+                start = time.perf_counter()
+                logits_B1V = model(step_ids_B1, cache=cache).logits
+                elapsed = time.perf_counter() - start
+            logits[mode].append(logits_B1V[0, 0])
+            if j > 0:  # step 0 is the warm-up
+                for key, value in (("total", elapsed), ("kda", timer.seconds["kda"]), ("mla", timer.seconds["mla"])):
+                    seconds[mode][key].append(value)
+    med = statistics.median
+    result = {mode: {key: med(values) for key, values in seconds[mode].items()}
+              | {"logits_NV": torch.stack(logits[mode])} for mode in MLA_DECODE_MODES}
+    result["ratio"] = med(e / a for e, a in zip(seconds["expanded"]["total"], seconds["absorbed"]["total"]))
+    result["growth_bytes"] = (cache.nbytes() - bytes_before) / (cache.length - length_before)
+    return result
+
+
+class Prefill:
+    """Extends one cache in PREFILL_CHUNK chunks within a time budget (the prefill is not the measurement)."""
+
+    def __init__(self, model, cache, ids_BT, budget_s):
+        self.model, self.cache, self.ids_BT, self.budget_s = model, cache, ids_BT, budget_s
+        self.spent_s, self.last_s_per_token, self.projected_s = 0.0, 0.0, 0.0
+
+    def to(self, target) -> bool:
+        """Extend the cache to `target` tokens; False (and stop) if that would exceed the budget.
+
+        Projects the remaining time from the last chunk (a lower bound: MLA attention makes later chunks slower)
+        and gives up mid-way if the budget runs out anyway.
+        """
+        cache = self.cache
+        self.projected_s = (target - cache.length) * self.last_s_per_token
+        if self.spent_s + self.projected_s > self.budget_s:
+            return False
+        while cache.length < target:
+            T = min(PREFILL_CHUNK, target - cache.length)
+            start = time.perf_counter()
+            self.model(self.ids_BT[:, cache.length: cache.length + T], cache=cache)
+            elapsed = time.perf_counter() - start
+            self.spent_s += elapsed
+            self.last_s_per_token = elapsed / T
+            if cache.length < target and self.spent_s > self.budget_s:
+                self.projected_s = (target - cache.length) * self.last_s_per_token
+                return False
+        return True
+
+
+def no_cache_forward(model, ids_BT, context):
+    """Seconds to recompute the next token's logits from scratch over context + 1 tokens, and those logits."""
+    reps = 3 if context <= 2048 else 1
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        logits_BTV = model(ids_BT[:, : context + 1]).logits
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), logits_BTV[0, -1]
+
+
+class CpuWait:
+    """Share of wall time in which some runnable task waited for a CPU (Linux PSI `/proc/pressure/cpu`).
+
+    Our own threads fit the cores, so a share well above 0 means other processes competed for them.
+    """
+
+    def __init__(self):
+        self.start_us, self.start_s = self._total_us(), time.perf_counter()
+
+    @staticmethod
+    def _total_us():
+        try:
+            with open("/proc/pressure/cpu") as f:
+                return int(f.readline().split("total=")[1])
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def __str__(self):
+        now_us = self._total_us()
+        if now_us is None or self.start_us is None:
+            return "n/a"
+        return f"{(now_us - self.start_us) / 1e6 / (time.perf_counter() - self.start_s):.0%}"
+
+
+def machine():
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"Python {platform.python_version()}, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}"
+    )
+
+
+def print_table(columns, rows, align):
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "|".join("---:" if a == "r" else "---" for a in align) + "|")
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |")
+    print(flush=True)
+
+
+# --------------------------------------------------------------------------------------------- benchmark
+@torch.no_grad()
+def bench_preset(name, contexts, budget_s):
+    """All measurements of one preset; returns rows for the tables."""
+    preset_start = time.perf_counter()
+    torch.manual_seed(0)
+    config = K3Config.from_preset(name)
+    model = K3ForCausalLM(config).eval()
+    timer = SublayerTimer(model)
+    dtype = model.model.embed_tokens.weight.dtype
+    sizes = cache_sizes(config, activation_bytes=dtype.itemsize)
+    ids_BT = torch.randint(0, config.vocab_size, (1, max(contexts) + DECODE_STEPS + 2),
+                           generator=torch.Generator().manual_seed(1))
+    cache = model.make_cache(1, capacity=ids_BT.shape[1])
+    print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
+          f"{timer.n_layers['kda']} KDA + {timer.n_layers['mla']} MLA layers, {dtype}", flush=True)
+
+    model(ids_BT[:, :PREFILL_CHUNK])  # warm-up: first calls pay for allocator growth and kernel set-up
+    decode_rows, bytes_rows, no_cache_rows = [], [], []
+    prefill = Prefill(model, cache, ids_BT, budget_s)
+    for context in contexts:
+        if not prefill.to(context):
+            print(f"  {name} @ {context}: skipped, prefill would exceed the {budget_s:.0f} s budget "
+                  f"({prefill.spent_s:.0f} s spent, cache at {cache.length} tokens, the rest projected at "
+                  f"≥ {prefill.projected_s:.0f} s)", flush=True)
+            decode_rows.append([name, context, "skipped: prefill budget"] + [""] * 9)
+            break
+        snap, cpu_wait = snapshot(cache), CpuWait()
+        result = decode_paired(model, cache, ids_BT, timer, DECODE_STEPS)
+        restore(cache, snap)
+        absorbed, expanded, cpu_wait = result["absorbed"], result["expanded"], str(cpu_wait)
+        max_diff = (absorbed["logits_NV"] - expanded["logits_NV"]).abs().max().item()
+        decode_rows.append([
+            name, context, f"{context / prefill.spent_s:,.0f}",
+            f"{1e3 * absorbed['total']:.1f}", f"{1e3 * expanded['total']:.1f}",
+            f"{result['ratio']:.2f}",
+            f"{1e3 * absorbed['kda']:.1f}", f"{1e3 * absorbed['mla']:.1f}", f"{1e3 * expanded['mla']:.1f}",
+            f"{1e3 * (absorbed['total'] - absorbed['kda'] - absorbed['mla']):.1f}", f"{max_diff:.1e}", cpu_wait,
+        ])
+        # cache bytes: measured growth per token, and the fixed part = nbytes − length · growth
+        growth = result["growth_bytes"]
+        fixed = cache.nbytes() - context * growth
+        bytes_rows.append([
+            name, context, f"{growth:,.0f}", f"{sizes.mla_bytes_per_token:,}",
+            f"{fixed:,.0f}", f"{sizes.kda_state_bytes_per_sequence + sizes.kda_conv_bytes_per_sequence:,}",
+            f"{cache.nbytes() / 2**20:,.1f}", f"{sizes.bytes_at(context) / 2**20:,.1f}",
+        ])
+        if context in NO_CACHE_CONTEXTS:
+            full_s, full_logits_V = no_cache_forward(model, ids_BT, context)
+            diff = (full_logits_V - absorbed["logits_NV"][0]).abs().max().item()
+            no_cache_rows.append([name, context, f"{1e3 * absorbed['total']:.1f}", f"{1e3 * full_s:,.0f}",
+                                  f"{full_s / absorbed['total']:,.0f}", f"{diff:.1e}"])
+        print(f"  {name} @ {context}: done (prefill {prefill.spent_s:.0f} s so far, "
+              f"{time.perf_counter() - preset_start:.0f} s in all)", flush=True)
+    return decode_rows, bytes_rows, no_cache_rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="contexts 1K and 8K only")
+    parser.add_argument("--prefill-budget", type=float, default=PREFILL_BUDGET_S,
+                        help=f"seconds of prefill per preset (default {PREFILL_BUDGET_S:.0f})")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    contexts = QUICK_CONTEXTS if args.quick else CONTEXTS
+
+    start, cpu_wait = time.perf_counter(), CpuWait()
+    malloc_env = " ".join(f"{name}={value}" for name, value in os.environ.items() if name.startswith("MALLOC_"))
+    print(f"Machine: {machine()}")
+    print(f"Allocator: glibc malloc, {malloc_env or 'default settings'}; load average at start: "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"B=1, fp32, no_grad, random init; prefill chunks of {PREFILL_CHUNK}; median of {DECODE_STEPS} decode "
+          f"steps after 1 warm-up step\n", flush=True)
+
+    decode_rows, bytes_rows, no_cache_rows = [], [], []
+    for name in PRESETS:
+        d, b, n = bench_preset(name, contexts, args.prefill_budget)
+        decode_rows += d
+        bytes_rows += b
+        no_cache_rows += n
+    print()
+
+    print("Decode latency, ms per token (absorbed = MQA over the latent, spec §4.4; expanded = MHA, spec §4.2);"
+          " KDA / MLA attn = time inside the `self_attn` of all KDA / all MLA layers; other = the rest"
+          " (FFN/MoE, AttnRes, lm_head)")
+    print_table(["preset", "context", "prefill tok/s", "absorbed ms", "expanded ms", "expanded/absorbed",
+                 "KDA attn ms", "MLA attn ms (abs.)", "MLA attn ms (exp.)", "other ms (abs.)",
+                 "max Δlogit abs. vs exp.", "CPU wait"], decode_rows, "lrrrrrrrrrrr")
+    print("Cache bytes (K3Cache.nbytes(); analytic: accounting.cache_sizes with the fp32 size)")
+    print_table(["preset", "context", "growth B/token", "analytic B/token", "fixed KDA B", "analytic fixed B",
+                 "cache MiB", "analytic MiB"], bytes_rows, "lrrrrrrr")
+    print("Cached decode step (absorbed) vs recomputing the full forward over context + 1 tokens without a cache")
+    print_table(["preset", "context", "cached ms", "no-cache ms", "no-cache/cached", "max Δlogit"],
+                no_cache_rows, "lrrrrr")
+    print(f"Total runtime: {time.perf_counter() - start:.0f} s; load average at end: "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; CPU wait over the run: {cpu_wait} (PSI; "
+          f"well above 0 % means other processes competed for the cores)")
+
+
+if __name__ == "__main__":
+    main()

@@ -25,9 +25,7 @@ and reported as such. "CPU wait" is the share of wall time in which some task wa
 
 import argparse
 import contextlib
-import datetime
 import os
-import platform
 import statistics
 import time
 
@@ -37,6 +35,7 @@ from k3.config import K3Config
 from k3.inference.cache import K3Cache, KDACache
 from k3.model.accounting import cache_sizes
 from k3.model.k3 import K3ForCausalLM
+from common import machine
 
 PRESETS = ("k3-tiny", "k3-small")
 CONTEXTS = (1024, 8192, 32768, 65536)
@@ -201,15 +200,6 @@ class CpuWait:
         if now_us is None or self.start_us is None:
             return "n/a"
         return f"{(now_us - self.start_us) / 1e6 / (time.perf_counter() - self.start_s):.0%}"
-
-
-def machine():
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
-    return (
-        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"Python {platform.python_version()}, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}"
-    )
 
 
 def print_table(columns, rows, align):

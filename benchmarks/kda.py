@@ -13,10 +13,8 @@ environment makes it reuse memory instead; the header line reports which allocat
 
 import argparse
 import concurrent.futures
-import datetime
 import multiprocessing
 import os
-import platform
 import resource
 import statistics
 import time
@@ -25,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.kda import chunk_kda, recurrent_kda
+from common import machine
 
 B, H, K, V = 1, 4, 128, 128
 OPS = {"recurrent": recurrent_kda, "chunk": chunk_kda}
@@ -68,15 +67,6 @@ def in_fresh_process(*args):
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
         return pool.submit(measure, *args).result()
-
-
-def machine():
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
-    return (
-        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"Python {platform.python_version()}, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}"
-    )
 
 
 def main():

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from conformance import TINY_CONFORMANCE, build_tiny_config
 from k3 import K3Config

@@ -8,7 +8,6 @@ metrics, evaluation, checkpoint. Runs resume bit-exactly from their last checkpo
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import time

@@ -3,6 +3,7 @@
 import datetime
 import os
 import platform
+import time
 
 import torch
 
@@ -15,3 +16,25 @@ def machine() -> str:
         f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"Python {platform.python_version()}, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}"
     )
+
+
+class CpuWait:
+    """Share of wall time since creation in which some runnable task waited for a CPU (Linux PSI
+    `/proc/pressure/cpu`). Our threads fit the cores, so a share well above 0 means other processes competed."""
+
+    def __init__(self):
+        self.start_us, self.start_s = self._total_us(), time.perf_counter()
+
+    @staticmethod
+    def _total_us():
+        try:
+            with open("/proc/pressure/cpu") as f:
+                return int(f.readline().split("total=")[1])
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def __str__(self):
+        now_us = self._total_us()
+        if now_us is None or self.start_us is None:
+            return "n/a"
+        return f"{(now_us - self.start_us) / 1e6 / (time.perf_counter() - self.start_s):.0%}"

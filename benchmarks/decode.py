@@ -35,7 +35,7 @@ from k3.config import K3Config
 from k3.inference.cache import K3Cache, KDACache
 from k3.model.accounting import cache_sizes
 from k3.model.k3 import K3ForCausalLM
-from common import machine
+from common import CpuWait, machine
 
 PRESETS = ("k3-tiny", "k3-small")
 CONTEXTS = (1024, 8192, 32768, 65536)
@@ -176,30 +176,6 @@ def no_cache_forward(model, ids_BT, context):
         logits_BTV = model(ids_BT[:, : context + 1]).logits
         times.append(time.perf_counter() - start)
     return statistics.median(times), logits_BTV[0, -1]
-
-
-class CpuWait:
-    """Share of wall time in which some runnable task waited for a CPU (Linux PSI `/proc/pressure/cpu`).
-
-    Our own threads fit the cores, so a share well above 0 means other processes competed for them.
-    """
-
-    def __init__(self):
-        self.start_us, self.start_s = self._total_us(), time.perf_counter()
-
-    @staticmethod
-    def _total_us():
-        try:
-            with open("/proc/pressure/cpu") as f:
-                return int(f.readline().split("total=")[1])
-        except (OSError, IndexError, ValueError):
-            return None
-
-    def __str__(self):
-        now_us = self._total_us()
-        if now_us is None or self.start_us is None:
-            return "n/a"
-        return f"{(now_us - self.start_us) / 1e6 / (time.perf_counter() - self.start_s):.0%}"
 
 
 def print_table(columns, rows, align):

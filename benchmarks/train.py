@@ -62,7 +62,7 @@ from k3.optim import make_optimizers, mla_layers
 from k3.optim.muon import block_views
 from k3.train.balance import QuantileBalancer
 from k3.train.trainer import TrainArgs, Trainer
-from common import machine
+from common import CpuWait, machine
 
 PRESETS = {"k3-tiny": (8, 256), "k3-small": (4, 256)}  # preset: (batch, sequence length)
 STEPS = {"k3-tiny": (2, 6, 3), "k3-small": (1, 5, 3)}  # preset: (warm-up, timed, profiled) steps
@@ -269,28 +269,6 @@ def newton_schulz_flops(muon):
 # ------------------------------------------------------------------------------------------------ benchmark
 def load():
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-class CpuWait:
-    """Share of wall time since creation in which some runnable task waited for a CPU (Linux PSI
-    `/proc/pressure/cpu`). Our threads fit the cores, so a share well above 0 means other processes competed."""
-
-    def __init__(self):
-        self.start_us, self.start_s = self._total_us(), time.perf_counter()
-
-    @staticmethod
-    def _total_us():
-        try:
-            with open("/proc/pressure/cpu") as f:
-                return int(f.readline().split("total=")[1])
-        except (OSError, IndexError, ValueError):
-            return None
-
-    def __str__(self):
-        now_us = self._total_us()
-        if now_us is None or self.start_us is None:
-            return "n/a"
-        return f"{(now_us - self.start_us) / 1e6 / (time.perf_counter() - self.start_s):.0%}"
 
 
 def idle_percent(seconds=2.0):

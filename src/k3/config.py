@@ -87,6 +87,20 @@ class K3Config:
     def __post_init__(self) -> None:
         self.validate()
 
+    @property
+    def vision_config(self) -> K3VisionConfig | None:
+        """The parsed `vision_config` of a multimodal file (spec §1.2), None for a text-only model."""
+        if self.multimodal is None or "vision_config" not in self.multimodal:
+            return None
+        return K3VisionConfig.from_dict(self.multimodal["vision_config"])
+
+    @property
+    def media_placeholder_token_id(self) -> int | None:
+        """Id of `<|media_pad|>`, the one-per-item placeholder expanded to image features (spec §9.9)."""
+        if self.multimodal is None:
+            return None
+        return self.multimodal.get("media_placeholder_token_id", self.vision_config.media_placeholder_token_id)
+
     # ----------------------------------------------------------------------------------- schedule
     def is_kda_layer(self, i: int) -> bool:
         """0-based layer i is KDA iff i+1 is listed in `kda_layers` (spec §0.3)."""
@@ -170,6 +184,13 @@ class K3Config:
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, name)
             need(v is None or 0 <= v < self.vocab_size, name, f"must be a token id in 0..{self.vocab_size - 1}")
+        if self.multimodal is not None and "vision_config" in self.multimodal:
+            vision = self.vision_config  # raises on a malformed vision_config
+            need(vision.text_hidden_size == self.hidden_size, "multimodal",
+                 f"vision_config.text_hidden_size={vision.text_hidden_size} must equal hidden_size={self.hidden_size}")
+            media = self.media_placeholder_token_id
+            need(isinstance(media, int) and 0 <= media < self.vocab_size, "multimodal",
+                 f"media_placeholder_token_id={media!r} must be a token id in 0..{self.vocab_size - 1}")
 
     # --------------------------------------------------------------------------------------- JSON
     def to_text_dict(self) -> dict[str, Any]:
@@ -264,13 +285,123 @@ class K3Config:
     def from_preset(cls, name: str, **overrides: Any) -> "K3Config":
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(**copy.deepcopy({**PRESETS[name], **overrides}))
 
     def replace(self, **changes: Any) -> "K3Config":
         """A validated copy with some fields changed."""
         kw = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
         kw.update(changes)
         return K3Config(**kw)
+
+
+@dataclass
+class K3VisionConfig:
+    """MoonViT-V2 + merger + projector configuration: the released `vision_config` (spec §1.2, §9).
+
+    Values other than the released architecture (LayerNorm, biases, other merge or projector types) are rejected
+    rather than silently mis-built. Unknown keys (`model_type`, `_attn_implementation`, ...) are kept in `extra`.
+    """
+
+    patch_size: int = 14
+    vt_hidden_size: int = 1024
+    qkv_hidden_size: int = 1536  # heads × head_dim of q, k and v each (wqkv has 3× this many rows)
+    vt_num_attention_heads: int = 12
+    vt_intermediate_size: int = 4096
+    vt_num_hidden_layers: int = 27
+    norm_type: str = "rmsnorm"
+    mlp_type: str = "mlp2"
+    activation_func: str = "gelu_pytorch_tanh"
+    attn_bias: bool = False
+    linear_bias: bool = False
+    patch_embed_proj_bias: bool = False
+    pos_emb_type: str = "divided_fixed"
+    init_pos_emb_height: int = 64
+    init_pos_emb_width: int = 64
+    init_pos_emb_time: int = 4  # frames per media item (video chunk), §9.3
+    pos_emb_interpolation_mode: str = "bilinear"
+    merge_kernel_size: list[int] = field(default_factory=lambda: [2, 2])
+    merge_type: str = "sd2_tpool"
+    mm_projector_type: str = "patchmergerv2"
+    mm_hidden_size: int = 1024
+    projector_hidden_act: str = "gelu"
+    projector_ln_eps: float = 1e-5
+    text_hidden_size: int = 7168
+    media_placeholder_token_id: int = 163605
+    # [U] §13.10: ViT RMSNorm ε; None = machine epsilon of the compute dtype (the released code's behaviour)
+    vt_rms_norm_eps: float | None = None
+    rope_theta: float = 10000.0  # 2D RoPE base (§9.5)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.qkv_hidden_size // self.vt_num_attention_heads
+
+    @property
+    def merged_hidden_size(self) -> int:
+        """Width of one merged token: 2×2 space-to-depth of `mm_hidden_size` (§9.7)."""
+        return self.merge_kernel_size[0] * self.merge_kernel_size[1] * self.mm_hidden_size
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"K3VisionConfig.{name}: {rule} (got {getattr(self, name)!r})")
+
+        for name in ("patch_size", "vt_hidden_size", "qkv_hidden_size", "vt_num_attention_heads",
+                     "vt_intermediate_size", "vt_num_hidden_layers", "init_pos_emb_height", "init_pos_emb_width",
+                     "init_pos_emb_time", "mm_hidden_size", "text_hidden_size"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "must be a positive integer")
+        need(self.qkv_hidden_size % self.vt_num_attention_heads == 0, "qkv_hidden_size",
+             f"must be a multiple of vt_num_attention_heads={self.vt_num_attention_heads}")
+        need(self.head_dim % 4 == 0, "qkv_hidden_size",
+             "per-head width must be a multiple of 4 (2D RoPE: column and row pairs, §9.5)")
+        need(self.merge_kernel_size == [2, 2], "merge_kernel_size", "only [2, 2] is supported (sd2_tpool, §9.7)")
+        need(self.mm_hidden_size == self.vt_hidden_size, "mm_hidden_size",
+             f"must equal vt_hidden_size={self.vt_hidden_size} (the merger concatenates ViT outputs)")
+        released = {"norm_type": "rmsnorm", "mlp_type": "mlp2", "activation_func": "gelu_pytorch_tanh",
+                    "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",
+                    "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2", "projector_hidden_act": "gelu",
+                    "attn_bias": False, "linear_bias": False, "patch_embed_proj_bias": False}
+        for name, value in released.items():
+            need(getattr(self, name) == value, name, f"only the released value {value!r} is supported")
+        need(isinstance(self.media_placeholder_token_id, int) and self.media_placeholder_token_id >= 0,
+             "media_placeholder_token_id", "must be a token id")
+        need(self.projector_ln_eps > 0, "projector_ln_eps", "must be positive")
+        need(self.vt_rms_norm_eps is None or self.vt_rms_norm_eps > 0, "vt_rms_norm_eps",
+             "must be positive or null (machine epsilon of the compute dtype)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `vision_config` object; our knobs only when not default, unknown keys kept."""
+        d: dict[str, Any] = {"model_type": self.extra.get("model_type", "kimi_k3_vision")}
+        for f in fields(self):
+            if f.name == "extra" or f.name in _VISION_KNOBS and getattr(self, f.name) == _VISION_KNOBS[f.name]:
+                continue
+            d[f.name] = copy.deepcopy(getattr(self, f.name))
+        for k, v in self.extra.items():
+            d.setdefault(k, copy.deepcopy(v))
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], **overrides: Any) -> "K3VisionConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"vision_config must be a JSON object, got {type(d).__name__}")
+        names = {f.name for f in fields(cls)} - {"extra"}
+        kwargs = {k: copy.deepcopy(v) for k, v in d.items() if k in names}
+        extra = {k: copy.deepcopy(v) for k, v in d.items() if k not in names}
+        return cls(**{**kwargs, **overrides}, extra=extra)
+
+
+_VISION_KNOBS = {"vt_rms_norm_eps": None, "rope_theta": 10000.0}
+
+
+def multimodal_top_level(vision: K3VisionConfig, media_placeholder_token_id: int) -> dict[str, Any]:
+    """The top level of a multimodal `config.json` around `text_config` (spec §1.2)."""
+    return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
+            "vision_config": vision.to_dict(), "media_placeholder_token_id": media_placeholder_token_id,
+            "ignore_index": -100, "tie_word_embeddings": False}
 
 
 _LAC_TO_FIELD = {
@@ -292,9 +423,14 @@ def _k3_structure(num_hidden_layers: int) -> dict[str, Any]:
     }
 
 
+_TINY_VISION = K3VisionConfig(
+    vt_hidden_size=64, qkv_hidden_size=96, vt_num_attention_heads=4, vt_intermediate_size=128,
+    vt_num_hidden_layers=2, init_pos_emb_height=16, init_pos_emb_width=16, mm_hidden_size=64, text_hidden_size=128,
+    media_placeholder_token_id=502)
+
 PRESETS: dict[str, dict[str, Any]] = {
-    # the released numbers (spec §1.1)
-    "k3-full": {},
+    # the released numbers (spec §1.1, §1.2): text model, MoonViT-V2 and projector
+    "k3-full": {"multimodal": multimodal_top_level(K3VisionConfig(), 163605)},
     # same structure, ~190M parameters: 13 layers = [K,K,K,M]x3 + M, AttnRes blocks of 4 (last one partial)
     "k3-small": {
         **_k3_structure(13), "vocab_size": 32768, "hidden_size": 512, "num_attention_heads": 8,
@@ -312,5 +448,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "intermediate_size": 384, "num_experts": 16, "num_experts_per_token": 4, "moe_intermediate_size": 96,
         "routed_expert_hidden_size": 64, "attn_res_block_size": 4, "bos_token_id": None, "eos_token_id": None,
         "pad_token_id": None,
+    },
+    # a vision-language K3 for the CPU shapes-captioning demo: 5 layers = [K,K,K,M] + M, vocab 512 (496 BPE
+    # ranks + 16 special slots: <|media_pad|> is 502), MoonViT-V2 with 2 layers of width 64 (4 heads × 24)
+    "k3-tiny-vl": {
+        **_k3_structure(5), "vocab_size": 512, "hidden_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 48, "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16, "v_head_dim": 24, "kda_num_heads": 4, "kda_head_dim": 32,
+        "intermediate_size": 384, "num_experts": 8, "num_experts_per_token": 2, "moe_intermediate_size": 96,
+        "routed_expert_hidden_size": 64, "attn_res_block_size": 4, "bos_token_id": None, "eos_token_id": None,
+        "pad_token_id": None, "multimodal": multimodal_top_level(_TINY_VISION, 502),
     },
 }

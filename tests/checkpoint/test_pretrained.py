@@ -57,7 +57,8 @@ def test_official_names_and_a_log_padding(tiny, tmp_path):
 def test_multimodal_layout_uses_prefix_and_skips_vision(tiny, tmp_path):
     """A multimodal config saves under `language_model.`; vision tensors in the file are ignored on load."""
     top = {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
-           "text_config": tiny.config.to_text_dict(), "vision_config": {"vt_hidden_size": 8}}
+           "text_config": tiny.config.to_text_dict(), "media_placeholder_token_id": 7,
+           "vision_config": {"vt_hidden_size": 8, "mm_hidden_size": 8, "text_hidden_size": tiny.config.hidden_size}}
     model = K3ForCausalLM(K3Config.from_dict(top))
     model.load_state_dict(tiny.state_dict())
     model.save_pretrained(tmp_path)
@@ -67,7 +68,7 @@ def test_multimodal_layout_uses_prefix_and_skips_vision(tiny, tmp_path):
     stored["mm_projector.post_norm.weight"] = torch.ones(8)
     save_file(stored, tmp_path / "model.safetensors")
     loaded = K3ForCausalLM.from_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["vision_config"] == {"vt_hidden_size": 8}
+    assert json.loads((tmp_path / "config.json").read_text())["vision_config"]["vt_hidden_size"] == 8
     assert torch.equal(loaded(IDS).logits, tiny(IDS).logits)
 
 

@@ -116,24 +116,26 @@ def from_hf_state_dict(
 ) -> dict[str, Tensor]:
     """Official tensors -> internal state dict with exactly the keys and shapes of ``expected`` (§11).
 
-    ``hf_tensors`` may carry the ``language_model.`` prefix; ``vision_tower.*`` and ``mm_projector.*`` are
-    skipped (§11.1). Values may be tensors or ``LazyTensor``s: all names and shapes are checked before any
+    ``hf_tensors`` may carry the ``language_model.`` prefix. Vision and projector tensors (``vision_tower.*``,
+    ``mm_projector.*``) keep their names; they are skipped when ``expected`` asks for none of them (a text-only
+    model reading a multimodal checkpoint, §11.1). Values may be tensors or ``LazyTensor``s: all names and shapes are checked before any
     data is read, and every problem (missing, unexpected, mis-shaped) is reported in one ``CheckpointError``.
 
     Dtypes: the fp32 set (``is_fp32_tensor``) always ends fp32; other floating tensors are cast to ``dtype``
     when given, else keep their stored dtype; MXFP4 experts decode to ``dtype`` or bf16.
     """
-    matcher = _Matcher(_text_tensors(hf_tensors))
+    keep_media = any(name.startswith(NON_TEXT_PREFIXES) for name in expected)
+    matcher = _Matcher(_strip_text_prefix(hf_tensors, keep_media))
     loaders = {name: _plan(matcher, name, _shape_of(spec), dtype) for name, spec in expected.items()}
     matcher.raise_on_problems()
     return {name: load() for name, load in loaders.items()}
 
 
-def _text_tensors(hf_tensors: Mapping[str, StoredTensor]) -> dict[str, StoredTensor]:
-    """Strip ``language_model.`` and drop vision/projector tensors (§11.1)."""
+def _strip_text_prefix(hf_tensors: Mapping[str, StoredTensor], keep_media: bool) -> dict[str, StoredTensor]:
+    """Strip ``language_model.``; drop vision/projector tensors unless ``keep_media`` (§11.1)."""
     text: dict[str, StoredTensor] = {}
     for name, tensor in hf_tensors.items():
-        if name.startswith(NON_TEXT_PREFIXES):
+        if name.startswith(NON_TEXT_PREFIXES) and not keep_media:
             continue
         short = name.removeprefix(LANGUAGE_MODEL_PREFIX)
         if short in text:

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from k3.checkpoint.hf import (
     LANGUAGE_MODEL_PREFIX,
+    NON_TEXT_PREFIXES,
     CheckpointError,
     ExpectedShape,
     from_hf_state_dict,
@@ -46,7 +47,7 @@ def load_checkpoint_state(
     expected: Mapping[str, ExpectedShape],
     dtype: torch.dtype | None = None,
 ) -> dict[str, Tensor]:
-    """Load the text weights of a checkpoint into the internal layout described by ``expected``.
+    """Load the weights of a checkpoint into the internal layout described by ``expected``.
 
     ``path`` is a checkpoint directory (sharded with an index, or one ``model.safetensors``) or a single
     ``.safetensors`` file. ``expected`` maps internal names to shapes or tensors (e.g. ``model.state_dict()``,
@@ -129,7 +130,8 @@ def save_checkpoint_state(
 ) -> None:
     """Write an internal state dict to directory ``path`` in the official layout (§11.1-§11.4).
 
-    ``prefix`` is ``""`` or ``"language_model."`` (the released multimodal checkpoint's text prefix). One
+    ``prefix`` is ``""`` or ``"language_model."`` (the released multimodal checkpoint's text prefix; vision and
+    projector tensors, ``vision_tower.*`` / ``mm_projector.*``, are written unprefixed either way). One
     ``model.safetensors`` is written if everything fits in ``max_shard_size`` bytes, else numbered shards plus
     ``model.safetensors.index.json``. ``metadata`` (default ``{"format": "pt"}``) goes into every file header.
 
@@ -141,7 +143,8 @@ def save_checkpoint_state(
         raise ValueError(f"prefix must be '' or {LANGUAGE_MODEL_PREFIX!r}, got {prefix!r}")
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {prefix + name: tensor for name, tensor in to_hf_state_dict(state_dict, num_kda_heads).items()}
+    tensors = {name if name.startswith(NON_TEXT_PREFIXES) else prefix + name: tensor
+               for name, tensor in to_hf_state_dict(state_dict, num_kda_heads).items()}
     shards = _plan_shards(tensors, max_shard_size)
     header = dict(metadata or {"format": "pt"})
     staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=directory))

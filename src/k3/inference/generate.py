@@ -22,6 +22,7 @@ import torch
 
 if TYPE_CHECKING:  # k3.model imports k3.inference.cache: a runtime import here would be circular
     from k3.model.k3 import K3ForCausalLM
+    from k3.model.multimodal import K3ForConditionalGeneration
 
 
 def _check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -74,7 +75,7 @@ def _eos_ids(eos_token_id: int | Sequence[int], vocab_size: int) -> list[int]:
     return list(ids)
 
 
-def _check_generate_args(model: K3ForCausalLM, input_ids: torch.Tensor, max_new_tokens: int,
+def _check_generate_args(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch.Tensor, max_new_tokens: int,
                          attention_mask: torch.Tensor | None, seed: int | None) -> None:
     model.check_input_ids(input_ids)  # tensor, integer dtype, 2-D, ids in the vocabulary
     if input_ids.numel() == 0:
@@ -99,11 +100,12 @@ def _stream(streamer: Any, tokens_B: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def generate(model: K3ForCausalLM, input_ids: torch.LongTensor, max_new_tokens: int, temperature: float = 1.0,
+def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch.LongTensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | Sequence[int] | None = None, attention_mask: torch.Tensor | None = None,
              seed: int | None = None,
-             streamer: Callable[[torch.LongTensor], Any] | Any | None = None) -> torch.LongTensor:
+             streamer: Callable[[torch.LongTensor], Any] | Any | None = None,
+             prefill_inputs: dict[str, Any] | None = None) -> torch.LongTensor:
     """Continue each prompt of `input_ids` [B, T] by up to `max_new_tokens`; returns [B, T + n], n ≤ max_new_tokens.
 
     The prompt is prefilled in one call on a fresh cache, then one token per step is decoded with the cache.
@@ -117,6 +119,8 @@ def generate(model: K3ForCausalLM, input_ids: torch.LongTensor, max_new_tokens: 
       untouched). None: torch's default generator.
     * `streamer`: receives each step's new tokens as a LongTensor [B] (eos padding of finished rows included),
       via `streamer.put(tokens)` when it has `put` (then `streamer.end()` once at the end), else `streamer(tokens)`.
+    * `prefill_inputs`: extra keyword arguments of the prefill call only (a multimodal prompt's `pixel_values`
+      and `grid_thws`).
     """
     _check_sampling_args(temperature, top_k, top_p)
     _check_generate_args(model, input_ids, max_new_tokens, attention_mask, seed)
@@ -130,7 +134,8 @@ def generate(model: K3ForCausalLM, input_ids: torch.LongTensor, max_new_tokens: 
     new_tokens: list[torch.Tensor] = []
     if max_new_tokens > 0:
         cache = model.make_cache(B, capacity=T + max_new_tokens)
-        logits_BV = model(input_ids, cache=cache, attention_mask=attention_mask).logits[:, -1]
+        logits_BV = model(input_ids, cache=cache, attention_mask=attention_mask,
+                          **(prefill_inputs or {})).logits[:, -1]
         for step in range(max_new_tokens):
             next_B = sample_next_token(logits_BV, temperature, top_k, top_p, generator)
             if eos_tensor is not None:

@@ -1,5 +1,6 @@
-"""The K3 text model, one file per spec section."""
+"""The K3 model, one file per spec section."""
 
 from k3.model.k3 import CausalLMOutput, K3DecoderLayer, K3ForCausalLM, K3Model
+from k3.model.multimodal import K3ForConditionalGeneration
 
-__all__ = ["CausalLMOutput", "K3DecoderLayer", "K3ForCausalLM", "K3Model"]
+__all__ = ["CausalLMOutput", "K3DecoderLayer", "K3ForCausalLM", "K3ForConditionalGeneration", "K3Model"]

@@ -52,6 +52,16 @@ class CausalLMOutput:
     loss: torch.Tensor | None = None  # mean fp32 next-token cross-entropy over labels != -100
 
 
+def dense_checkpoint_config(config: K3Config) -> K3Config:
+    """The config to save beside dense (not MXFP4) routed experts: `quantization_config` removed."""
+    if "quantization_config" not in config.extra and "quantization_config" not in (config.multimodal or {}):
+        return config
+    return config.replace(
+        extra={k: v for k, v in config.extra.items() if k != "quantization_config"},
+        multimodal=None if config.multimodal is None else
+        {k: v for k, v in config.multimodal.items() if k != "quantization_config"})
+
+
 class K3DecoderLayer(nn.Module):
     """Decoder layer i: KDA or MLA by the schedule, dense FFN or Stable LatentMoE, AttnRes mixes (spec §5.3)."""
 
@@ -106,13 +116,15 @@ class K3Model(nn.Module):
         self.norm = RMSNorm(D, config.rms_norm_eps)
         self.gradient_checkpointing = False  # recompute each layer's activations in backward (training memory)
 
-    def forward(self, input_ids: torch.LongTensor, cache: K3Cache | None = None,
-                attention_mask: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states [B, T, D] after `model.norm`, for the new tokens only when a cache is given."""
-        B, T = input_ids.shape
-        ctx = step_context(cache, B, T, attention_mask, input_ids.device, document_ids)
-        cur_BTD, bank = self.embed_tokens(input_ids), []
+    def forward(self, input_ids: torch.LongTensor | None, cache: K3Cache | None = None,
+                attention_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states [B, T, D] after `model.norm`, for the new tokens only when a cache is given.
+        `inputs_embeds` [B, T, D] replaces the embedding lookup (media features merged in, spec §9.9)."""
+        cur_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T = cur_BTD.shape[:2]
+        ctx = step_context(cache, B, T, attention_mask, cur_BTD.device, document_ids)
+        bank = []
         recompute = self.gradient_checkpointing and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             if recompute:
@@ -176,22 +188,31 @@ class K3ForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight
         return K3Cache(self.config, batch_size, weight.dtype, weight.device, capacity)
 
-    def forward(self, input_ids: torch.LongTensor, labels: torch.LongTensor | None = None,
+    def forward(self, input_ids: torch.LongTensor | None = None, labels: torch.LongTensor | None = None,
                 cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> CausalLMOutput:
+                document_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> CausalLMOutput:
         """`labels` follow the HF convention: same shape as `input_ids`, shifted inside so position t predicts
         token t+1; -100 is ignored. The loss is computed in fp32.
 
         With `cache` (from `make_cache`), the call consumes the new tokens, appends them to the cache and returns
         their logits only. `attention_mask` (1 real, 0 padding; left padding) is [B, past + new] or [B, new].
         `document_ids` [B, T] packs several documents per row: nothing crosses a boundary (KDA state and conv
-        window restart, MLA attention stays inside the document, no loss on the next document's first token)."""
-        self.check_input_ids(input_ids)
-        logits_BTV = self.lm_head(self.model(input_ids, cache, attention_mask, document_ids))
+        window restart, MLA attention stays inside the document, no loss on the next document's first token).
+        `inputs_embeds` [B, T, D] may replace `input_ids` (exactly one of the two)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids and inputs_embeds")
+        if input_ids is not None:
+            self.check_input_ids(input_ids)
+        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size or 0 in inputs_embeds.shape:
+            raise ValueError(f"inputs_embeds must have shape [batch, time, {self.config.hidden_size}], got "
+                             f"{tuple(inputs_embeds.shape)}")
+        logits_BTV = self.lm_head(self.model(input_ids, cache, attention_mask, document_ids, inputs_embeds))
         loss = None
         if labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+            if labels.shape != logits_BTV.shape[:2]:
+                raise ValueError(f"labels shape {tuple(labels.shape)} must equal the input shape "
+                                 f"{tuple(logits_BTV.shape[:2])}")
             targets_BT = labels[:, 1:]
             if document_ids is not None:  # never predict across a document boundary
                 targets_BT = targets_BT.masked_fill(document_ids[:, 1:] != document_ids[:, :-1], -100)
@@ -230,12 +251,7 @@ class K3ForCausalLM(nn.Module):
         """Write `config.json` + safetensors in the official names (`language_model.` prefix when the config
         came from a multimodal file). Routed experts are written dense, so `quantization_config` is dropped."""
         os.makedirs(path, exist_ok=True)
-        config = self.config
-        if "quantization_config" in config.extra or "quantization_config" in (config.multimodal or {}):
-            config = config.replace(
-                extra={k: v for k, v in config.extra.items() if k != "quantization_config"},
-                multimodal=None if config.multimodal is None else
-                {k: v for k, v in config.multimodal.items() if k != "quantization_config"})
+        config = dense_checkpoint_config(self.config)
         save_checkpoint_state(path, self.state_dict(), config.kda_num_heads, max_shard_size=max_shard_size,
                               prefix="" if config.multimodal is None else "language_model.")
         config.save(path)

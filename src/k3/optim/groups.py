@@ -14,6 +14,10 @@ Every trainable parameter lands in exactly one named group:
   RMSNorm gain), "res_proj" (AttnRes pseudo-queries [1, D]), "A_log", "dt_bias", and "router" when
   `router="adamw"`. Categories in `no_decay` get weight decay 0, the others `weight_decay`.
 
+Vision (spec §9, §13 items 3 and 5): MoonViT-V2 `wqkv` is Muon per head ("vit_qkv": q, k and v rows of each head,
+scope "qkv" and wider); `wo`, the MLP and the projector linears are Muon "matrix"; the patch conv and the
+position table are AdamW "vision_input" (with weight decay); ViT and projector norm gains are "norm".
+
 The router's `e_score_correction_bias` is a buffer written only by load balancing, so it is in no group. Whether
 a decoder layer is KDA or MLA is read from the config's layer schedule.
 """
@@ -33,6 +37,7 @@ from k3.model.mla import GatedMLA
 from k3.model.moe import MoEGate, RoutedExperts
 from k3.model.norm import RMSNorm
 from k3.optim.muon import Muon
+from k3.vision.moonvit import PosEmb
 
 PER_HEAD_SCOPES = ("qkv", "qkv+o+gates", "none")
 DEFAULT_NO_DECAY = ("norm", "res_proj", "A_log", "dt_bias")  # spec §8.5 / §13.5
@@ -108,6 +113,10 @@ def _classify(config: K3Config, module_name: str, module: nn.Module, local_name:
         return "adamw", "embed", None
     if isinstance(module, nn.Conv1d):
         return "adamw", "conv", None
+    if isinstance(module, (nn.Conv2d, PosEmb)):
+        return "adamw", "vision_input", None
+    if isinstance(module, nn.Linear) and leaf == "wqkv" and per_head_scope != "none":
+        return "muon", "vit_qkv", ("rows", (config.vision_config.head_dim,))
     if isinstance(module, KimiDeltaAttention) and local_name in ("A_log", "dt_bias"):
         return "adamw", local_name, None
     if isinstance(module, MoEGate):

@@ -51,11 +51,12 @@ def _unflatten_optimizer(saved: dict, tensors: dict[str, torch.Tensor]) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def save_training_checkpoint(run_dir: str | os.PathLike, step: int, model, tokenizer, optimizers: list,
+def save_training_checkpoint(run_dir: str | os.PathLike, step: int, model, files, optimizers: list,
                              extra: dict[str, Any]) -> Path:
     """Write `run_dir/checkpoints/step_<step>/` atomically and point `latest` at it; returns its path.
 
-    `extra` is JSON-able run state (data position, schedule, metrics history, ...).
+    `files.save(directory)` writes the non-weight files (tokenizer, processor config). `extra` is JSON-able run
+    state (data position, schedule, metrics history, ...).
     """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -64,7 +65,7 @@ def save_training_checkpoint(run_dir: str | os.PathLike, step: int, model, token
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     model.save_pretrained(tmp)
-    tokenizer.save(tmp)
+    files.save(tmp)
     tensors: dict[str, torch.Tensor] = {"rng.cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):

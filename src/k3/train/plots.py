@@ -39,25 +39,28 @@ def plot_expert_load(load_LE: torch.Tensor, path: str | os.PathLike) -> None:
 
 
 @torch.no_grad()
-def attn_res_mixing(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+def attn_res_mixing(model, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[str]]:
     """Mean pre-attention mixing weight of every decoder layer over its sources (rows: layers 1..L−1, then the
-    output mix; columns: b₀ = embedding, b₁, …, partial sum), NaN where a layer has fewer sources."""
-    inputs = []
-    hooks = [layer.register_forward_pre_hook(lambda _, args: inputs.append(args[:2])) for layer in model.model.layers]
+    output mix; columns: b₀ = embedding, b₁, …, partial sum), NaN where a layer has fewer sources.
+    `inputs` are keyword arguments of the model's forward (text or multimodal)."""
+    backbone = getattr(model, "language_model", model).model
+    layer_inputs = []
+    hooks = [layer.register_forward_pre_hook(lambda _, args: layer_inputs.append(args[:2]))
+             for layer in backbone.layers]
     last_out = []
-    hooks.append(model.model.layers[-1].register_forward_hook(lambda _m, _a, out: last_out.append(out)))
+    hooks.append(backbone.layers[-1].register_forward_hook(lambda _m, _a, out: last_out.append(out)))
     try:
-        model(input_ids)
+        model(**inputs)
     finally:
         for h in hooks:
             h.remove()
     rows, labels = [], []
-    mixes = [(layer, cur, bank) for layer, (cur, bank) in zip(model.model.layers, inputs) if bank]
+    mixes = [(layer, cur, bank) for layer, (cur, bank) in zip(backbone.layers, layer_inputs) if bank]
     for layer, cur, bank in mixes:
         rows.append(attn_res_weights(bank + [cur], layer.self_attention_res_norm, layer.self_attention_res_proj))
         labels.append(f"layer {layer.layer_idx}")
     cur, bank = last_out[0]
-    rows.append(attn_res_weights(bank + [cur], model.model.output_attn_res_norm, model.model.output_attn_res_proj))
+    rows.append(attn_res_weights(bank + [cur], backbone.output_attn_res_norm, backbone.output_attn_res_proj))
     labels.append("output")
     width = max(p.shape[0] for p in rows)
     table = torch.full((len(rows), width), float("nan"))

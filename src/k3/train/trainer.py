@@ -18,19 +18,19 @@ import torch
 from tqdm import tqdm
 
 from k3.config import K3Config
-from k3.model import K3ForCausalLM
 from k3.model.k3 import is_recomputing
 from k3.optim import cosine_with_warmup, make_optimizers, mla_layers, mla_max_logits, qk_clip_, set_lr, wsd
 from k3.train.balance import QuantileBalancer
 from k3.train.checkpoint import latest_checkpoint, load_training_state, save_training_checkpoint
-from k3.train.data import Batches, prepare_data, validation_batches
+from k3.train.tasks import TASKS
 from k3.train import plots
 
 
 @dataclass
 class TrainArgs:
-    preset: str = "k3-tiny"
-    data: str | None = None  # None: the embedded Shakespeare corpus
+    task: str = "text"  # "text" (language modelling) | "shapes" (image captioning, multimodal)
+    preset: str | None = None  # None: the task's default (k3-tiny for text, k3-tiny-vl for shapes)
+    data: str | None = None  # text task; None: the embedded Shakespeare corpus
     steps: int | None = None  # total optimiser steps (the schedule's length) ...
     minutes: float | None = None  # ... or a wall-clock budget (steps estimated from the first steps' speed)
     out: str = "runs/k3-tiny"
@@ -50,6 +50,7 @@ class TrainArgs:
     qk_clip_tau: float = 100.0
     eval_every: int = 50
     eval_batches: int = 16
+    eval_images: int = 128  # shapes task: held-out images captioned at every evaluation
     checkpoint_every: int = 100
     activation_checkpointing: bool = False
     seed: int = 0
@@ -65,6 +66,8 @@ class TrainArgs:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.minutes is not None and self.minutes <= 0:
             raise ValueError(f"minutes must be positive, got {self.minutes}")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {sorted(TASKS)}, got {self.task!r}")
         if self.schedule not in ("cosine", "wsd"):
             raise ValueError(f"schedule must be 'cosine' or 'wsd', got {self.schedule!r}")
 
@@ -104,28 +107,25 @@ class Trainer:
         if not args.resume and latest_checkpoint(self.out) is not None:
             raise ValueError(f"{self.out} already holds a run; continue it with --resume or choose another --out")
         torch.manual_seed(args.seed)
+        task = TASKS[args.task]
         if resume_from is not None:
-            self.model = K3ForCausalLM.from_pretrained(resume_from).to(self.device)
+            self.model = task.model_class.from_pretrained(resume_from).to(self.device)
         else:
-            config = K3Config.from_preset(args.preset, **args.overrides)
-            self.model = K3ForCausalLM(config).to(self.device)
+            config = K3Config.from_preset(args.preset or task.default_preset, **args.overrides)
+            self.model = task.model_class(config).to(self.device)
         self.config = self.model.config
-        self.model.model.gradient_checkpointing = args.activation_checkpointing
-        self.data = prepare_data(args.data, self.config.vocab_size, args.seq_len, cache_dir=args.cache_dir,
-                                 seed=args.seed)
-        if len(self.data.train) < args.batch_size:
-            raise ValueError(f"the corpus gives {len(self.data.train)} training rows of {args.seq_len} tokens, "
-                             f"fewer than batch_size={args.batch_size}")
+        getattr(self.model, "language_model", self.model).model.gradient_checkpointing = args.activation_checkpointing
+        self.task = task(self.config, data=args.data, seq_len=args.seq_len, batch_size=args.batch_size,
+                         seed=args.seed, cache_dir=args.cache_dir, eval_images=args.eval_images)
         self.optimizers = make_optimizers(
             self.model, self.config, lr=args.lr, weight_decay=args.weight_decay,
             ns_dtype=torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.balancer = QuantileBalancer(self.model, method=args.balancer)
-        self.batches = Batches(self.data.train, args.batch_size, seed=args.seed)
         self.step, self.total_steps, self.history = 0, args.steps, []
         if resume_from is not None:
             state = load_training_state(resume_from, list(self.optimizers))
             self.step, self.total_steps, self.history = state["step"], state["total_steps"], state["history"]
-            self.batches.load_state_dict(state["data"])
+            self.task.load_state_dict(state["data"])
             tqdm.write(f"resumed from {resume_from} at step {self.step}")
         self.mla = mla_layers(self.model)
         self.max_logits: dict[int, torch.Tensor] = {}
@@ -157,16 +157,17 @@ class Trainer:
         set_lr(self.optimizers, lr)
         started, loss_sum, tokens = time.perf_counter(), 0.0, 0
         for _ in range(a.grad_accum):
-            batch = {k: v.to(self.device) for k, v in next(self.batches).items()}
-            self.balancer.set_token_mask(batch["labels"] != -100)
+            batch = {k: v.to(self.device) for k, v in self.task.next_batch().items()}
+            counted = self.task.counted_tokens(model, batch)
+            self.balancer.set_token_mask(counted)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-                loss = model(batch["input_ids"], labels=batch["labels"], document_ids=batch["document_ids"]).loss
+                loss = model(**batch).loss
             if not torch.isfinite(loss):
                 raise TrainingDiverged(f"non-finite loss {loss.item()} at step {self.step}; the last good "
                                        f"checkpoint is {latest_checkpoint(self.out)}")
             (loss / a.grad_accum).backward()
             loss_sum += loss.item() / a.grad_accum
-            tokens += batch["input_ids"].numel()
+            tokens += int(counted.sum())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
         for opt in self.optimizers:
             opt.step()
@@ -185,24 +186,25 @@ class Trainer:
                 "qk_clipped_heads": sum(int((g < 1).sum()) for g in gammas.values())}
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Token-weighted mean validation loss over up to `eval_batches` batches (router biases frozen)."""
+    def evaluate(self) -> dict[str, float]:
+        """Token-weighted mean validation loss over up to `eval_batches` batches (router biases frozen), plus
+        the task's own metrics (caption accuracy for shapes)."""
         self.model.eval()
         total, count = 0.0, 0
-        for i, batch in enumerate(validation_batches(self.data.val, self.args.batch_size)):
+        for i, batch in enumerate(self.task.val_batches()):
             if i == self.args.eval_batches:
                 break
             batch = {k: v.to(self.device) for k, v in batch.items()}
             n = int((batch["labels"][:, 1:] != -100).sum())
-            loss = self.model(batch["input_ids"], labels=batch["labels"], document_ids=batch["document_ids"]).loss
+            loss = self.model(**batch).loss
             total, count = total + loss.item() * n, count + n
-        return total / max(count, 1)
+        return {"val_loss": total / max(count, 1), **self.task.evaluate(self.model)}
 
     # ------------------------------------------------------------------------------------------ the run
     def save(self) -> Path:
         path = save_training_checkpoint(
-            self.out, self.step, self.model, self.data.tokenizer, list(self.optimizers),
-            {"total_steps": self.total_steps, "data": self.batches.state_dict(), "history": self.history,
+            self.out, self.step, self.model, self.task, list(self.optimizers),
+            {"total_steps": self.total_steps, "data": self.task.state_dict(), "history": self.history,
              "args": asdict(self.args)})
         self._write_metrics()
         self.plot()
@@ -215,20 +217,21 @@ class Trainer:
         os.replace(tmp, self.out / "metrics.jsonl")
 
     def plot(self) -> None:
-        plots.plot_losses(self.history, self.out / "loss.png", reference=self.data.unigram_entropy)
+        plots.plot_losses(self.history, self.out / "loss.png", reference=self.task.reference)
         if hasattr(self, "last_load_LE"):
             load_LE = self.last_load_LE / self.last_load_LE.mean(dim=1, keepdim=True)
             plots.plot_expert_load(load_LE.cpu(), self.out / "expert_load.png")
-        batch = next(iter(validation_batches(self.data.val, 2)))
         self.model.eval()
-        table, labels = plots.attn_res_mixing(self.model, batch["input_ids"][:, :64].to(self.device))
+        probe = {k: v.to(self.device) for k, v in self.task.probe_batch().items()}
+        table, labels = plots.attn_res_mixing(self.model, probe)
         plots.plot_attn_res(table, labels, self.out / "attn_res.png")
 
     def export(self) -> Path:
-        """The final model + tokenizer as a plain checkpoint directory `out/model` (for `k3 generate`)."""
+        """The final model + tokenizer (+ processor) as a plain checkpoint directory `out/model` (for
+        `k3 generate`)."""
         path = self.out / "model"
         self.model.save_pretrained(path)
-        self.data.tokenizer.save(path)
+        self.task.save(path)
         return path
 
     def _size_schedule(self, deadline: float, eval_seconds: float) -> None:
@@ -248,10 +251,10 @@ class Trainer:
         deadline = None if a.minutes is None else time.monotonic() + 60 * a.minutes
         hooks = [mla.register_forward_pre_hook(self._record_max_logits(i)) for i, mla in self.mla.items()]
         started = time.perf_counter()
-        initial_val = self.history[0]["val_loss"] if self.history else self.evaluate()
-        eval_seconds = time.perf_counter() - started
         if not self.history:
-            self.history.append({"step": 0, "val_loss": initial_val})
+            self.history.append({"step": 0, **self.evaluate()})
+        initial_val = self.history[0]["val_loss"]
+        eval_seconds = time.perf_counter() - started
         last_saved = self.step
         try:
             with _StopRequest() as stop:
@@ -265,7 +268,7 @@ class Trainer:
                     finished = self.step == self.total_steps or (deadline is not None and time.monotonic() > deadline)
                     paused = stop.requested or self.step == a.stop_after
                     if self.step % a.eval_every == 0 or finished:
-                        metrics["val_loss"] = self.evaluate()
+                        metrics.update(self.evaluate())
                     self.history.append(metrics)
                     bar.update(1)
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
@@ -285,11 +288,12 @@ class Trainer:
         finally:
             for h in hooks:
                 h.remove()
-        final_val = next(m["val_loss"] for m in reversed(self.history) if "val_loss" in m)
-        return {"step": self.step, "total_steps": self.total_steps, "finished": finished,
-                "initial_val_loss": initial_val, "final_val_loss": final_val,
-                "unigram_entropy": self.data.unigram_entropy, "model_dir": str(self.export()) if finished else None,
-                "checkpoint": str(latest_checkpoint(self.out))}
+        last_eval = next(m for m in reversed(self.history) if "val_loss" in m)
+        return {"task": self.task.name, "step": self.step, "total_steps": self.total_steps, "finished": finished,
+                "initial_val_loss": initial_val, "final_val_loss": last_eval["val_loss"],
+                "reference_loss": self.task.reference, "caption_accuracy": last_eval.get("caption_accuracy"),
+                "chance_accuracy": getattr(self.task, "chance", None),
+                "model_dir": str(self.export()) if finished else None, "checkpoint": str(latest_checkpoint(self.out))}
 
 
 def train(args: TrainArgs) -> dict:

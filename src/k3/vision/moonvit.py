@@ -185,6 +185,7 @@ class MoonViT(nn.Module):
         self.config = config
         self.patch_embed = PatchEmbed(config)
         self.encoder = Encoder(config)
+        self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -38,6 +38,7 @@ class PatchMergerProjector(nn.Module):
         self.proj = nn.Sequential(nn.Linear(merged, merged, bias=False), nn.GELU(),  # exact erf GELU
                                   nn.Linear(merged, C, bias=False))
         self.post_norm = RMSNorm(C, config.projector_ln_eps)
+        self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:

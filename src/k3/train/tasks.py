@@ -1,0 +1,203 @@
+"""What a training run learns: the model class, its data stream, evaluation and exported files.
+
+* `TextTask` — language modelling on a text corpus (the embedded Shakespeare by default), packed rows with
+  document boundaries (`k3.train.data`).
+* `ShapesTask` — image captioning of procedurally generated coloured shapes (`k3.train.shapes`) with a
+  vision-language K3 (`K3ForConditionalGeneration`): each example is `<image framing> caption: <caption><eos>`,
+  the loss covers the caption and the end token only, and held-out images are scored by exact match of the
+  greedy caption.
+
+Both hand the trainer micro-batches as keyword arguments of the model's forward (labels included) and resume
+from a small JSON-able state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from k3.config import K3Config
+from k3.model import K3ForCausalLM, K3ForConditionalGeneration
+from k3.tokenizer import K3Tokenizer, train_bpe
+from k3.train.data import Batches, prepare_data, validation_batches
+from k3.train.shapes import all_captions, caption, render, scene_for
+from k3.vision.processor import K3Processor, process_image
+
+IGNORE_INDEX = -100
+
+
+class TextTask:
+    """Next-token prediction on packed text rows (`--task text`, the default)."""
+
+    name = "text"
+    model_class = K3ForCausalLM
+    default_preset = "k3-tiny"
+
+    def __init__(self, config: K3Config, *, data: str | None, seq_len: int, batch_size: int, seed: int,
+                 cache_dir: str | None = None):
+        self.batch_size = batch_size
+        self.data = prepare_data(data, config.vocab_size, seq_len, cache_dir=cache_dir, seed=seed)
+        if len(self.data.train) < batch_size:
+            raise ValueError(f"the corpus gives {len(self.data.train)} training rows of {seq_len} tokens, "
+                             f"fewer than batch_size={batch_size}")
+        self.tokenizer: K3Tokenizer = self.data.tokenizer
+        self.batches = Batches(self.data.train, batch_size, seed=seed)
+        self.reference = self.data.unigram_entropy  # the loss of a context-free model (nats/token)
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        return next(self.batches)
+
+    @staticmethod
+    def counted_tokens(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[B, T] mask of the positions the router sees that load balancing counts (not padding)."""
+        return batch["labels"] != IGNORE_INDEX
+
+    def val_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        return validation_batches(self.data.val, self.batch_size)
+
+    def evaluate(self, model) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict:
+        return self.batches.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches.load_state_dict(state)
+
+    def probe_batch(self) -> dict[str, torch.Tensor]:
+        """A small input (2 rows × 64 tokens) for the AttnRes mixing plot."""
+        batch = next(iter(validation_batches(self.data.val, 2)))
+        return {"input_ids": batch["input_ids"][:, :64], "document_ids": batch["document_ids"][:, :64]}
+
+    def save(self, directory: Path) -> None:
+        """Files a checkpoint needs besides the weights: the tokenizer."""
+        self.tokenizer.save(directory)
+
+
+# ------------------------------------------------------------------------------------------------ shapes
+
+PROMPT = "caption:"
+TRAIN_STREAM, HELD_OUT_STREAM = 0, 1  # `scene_for` seeds: seed * 2 + stream (held-out images never trained on)
+
+
+def shapes_tokenizer(vocab_size: int, num_special_slots: int = 16) -> K3Tokenizer:
+    """A BPE in the released format over everything the task writes: prompts, captions, framing sizes."""
+    texts = [f"{PROMPT} {c}" for c in all_captions()]
+    texts += [f"image {w}x{h}" for w in range(32, 200) for h in range(32, 200, 7)]
+    return train_bpe(texts, vocab_size, num_special_slots=num_special_slots)
+
+
+class ShapesTask:
+    """Caption procedurally generated shapes with a tiny vision-language K3 (`--task shapes`)."""
+
+    name = "shapes"
+    model_class = K3ForConditionalGeneration
+    default_preset = "k3-tiny-vl"
+
+    def __init__(self, config: K3Config, *, batch_size: int, seed: int, eval_images: int = 128,
+                 tokenizer: K3Tokenizer | None = None, **_ignored):
+        if config.vision_config is None:
+            raise ValueError("--task shapes needs a multimodal preset with a vision_config (e.g. k3-tiny-vl)")
+        self.batch_size, self.seed, self.eval_images, self.position = batch_size, seed, eval_images, 0
+        self.tokenizer = tokenizer or shapes_tokenizer(config.vocab_size)
+        if self.tokenizer.media_pad_token_id != config.media_placeholder_token_id:
+            raise ValueError(f"the shapes tokenizer puts <|media_pad|> at {self.tokenizer.media_pad_token_id} but "
+                             f"the config's media_placeholder_token_id is {config.media_placeholder_token_id}")
+        self.processor = K3Processor(self.tokenizer)
+        self.prompt_ids = self.tokenizer.encode(PROMPT)
+        self.reference = None
+        n = len(all_captions())
+        self.chance = 1 / n  # uniform guessing over the distinct captions
+        self._held_out = [self._example(HELD_OUT_STREAM, i) for i in range(eval_images)]
+
+    def _example(self, stream: int, index: int):
+        scene = scene_for(self.seed * 2 + stream, index)
+        return render(scene), caption(scene)
+
+    def encode_prompts(self, images) -> dict[str, torch.Tensor | list[list[int]]]:
+        """Prompt ids (framing + `caption:`) per image and the packed media of all images."""
+        items = [process_image(img, self.processor.config) for img in images]
+        prompts = [self.processor.media_tokens(item) + self.prompt_ids for item in items]
+        return {"prompts": prompts, "pixel_values": torch.cat([it.pixel_values for it in items]),
+                "grid_thws": torch.tensor([it.grid_thw for it in items])}
+
+    def make_batch(self, examples) -> dict[str, torch.Tensor]:
+        """Left-padded [B, T] ids, mask and labels (−100 except on the caption and its end token)."""
+        media = self.encode_prompts([img for img, _ in examples])
+        eos = self.tokenizer.eos_token_id
+        rows = [(p, self.tokenizer.encode(" " + text) + [eos]) for p, (_, text) in zip(media["prompts"], examples)]
+        T = max(len(p) + len(c) for p, c in rows)
+        ids = torch.full((len(rows), T), self.tokenizer.pad_token_id, dtype=torch.long)
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        mask = torch.zeros_like(ids)
+        for b, (p, c) in enumerate(rows):
+            n = len(p) + len(c)
+            ids[b, T - n:] = torch.tensor(p + c)
+            labels[b, T - len(c):] = torch.tensor(c)
+            mask[b, T - n:] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+                "pixel_values": media["pixel_values"], "grid_thws": media["grid_thws"]}
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        start, self.position = self.position, self.position + self.batch_size
+        return self.make_batch([self._example(TRAIN_STREAM, i) for i in range(start, self.position)])
+
+    @staticmethod
+    def counted_tokens(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Real positions of the MERGED sequence (text and image features; §13 row 9: all non-pad tokens)."""
+        return model.merged_attention_mask(batch["input_ids"], batch["grid_thws"], batch["attention_mask"])
+
+    def val_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        for start in range(0, len(self._held_out), self.batch_size):
+            yield self.make_batch(self._held_out[start:start + self.batch_size])
+
+    @torch.no_grad()
+    def captions(self, model, images, max_new_tokens: int = 16) -> list[str]:
+        """Greedy captions of `images` (batched, left-padded prompts)."""
+        media = self.encode_prompts(images)
+        T = max(map(len, media["prompts"]))
+        ids = torch.full((len(images), T), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, p in enumerate(media["prompts"]):
+            ids[b, T - len(p):], mask[b, T - len(p):] = torch.tensor(p), 1
+        device = next(model.parameters()).device
+        out = model.generate(ids.to(device), max_new_tokens, media["pixel_values"].to(device),
+                             media["grid_thws"].to(device), temperature=0, attention_mask=mask.to(device),
+                             eos_token_id=self.tokenizer.eos_token_id)
+        eos = self.tokenizer.eos_token_id
+        texts = []
+        for row in out[:, T:].tolist():
+            row = row[:row.index(eos)] if eos in row else row
+            texts.append(self.tokenizer.decode(row).strip())
+        return texts
+
+    def evaluate(self, model) -> dict[str, float]:
+        """Caption exact-match accuracy on the held-out images (chance: 1 / number of distinct captions)."""
+        model.eval()
+        hits = 0
+        for start in range(0, len(self._held_out), 64):
+            chunk = self._held_out[start:start + 64]
+            predicted = self.captions(model, [img for img, _ in chunk])
+            hits += sum(p == text for p, (_, text) in zip(predicted, chunk))
+        return {"caption_accuracy": hits / len(self._held_out)}
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+    def probe_batch(self) -> dict[str, torch.Tensor]:
+        batch = self.make_batch(self._held_out[:4])
+        del batch["labels"]
+        return batch
+
+    def save(self, directory: Path) -> None:
+        """Files a checkpoint needs besides the weights: the tokenizer and `preprocessor_config.json`."""
+        self.tokenizer.save(directory)
+        self.processor.save(directory)
+
+
+TASKS = {"text": TextTask, "shapes": ShapesTask}

@@ -196,8 +196,7 @@ class ShapesTask:
 
     def save(self, directory: Path) -> None:
         """Files a checkpoint needs besides the weights: the tokenizer and `preprocessor_config.json`."""
-        self.tokenizer.save(directory)
-        self.processor.save(directory)
+        self.processor.save(directory)  # writes the tokenizer too
 
 
 TASKS = {"text": TextTask, "shapes": ShapesTask}

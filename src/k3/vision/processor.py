@@ -1,4 +1,4 @@
-"""Media pre-processing and text interleaving for Kimi K3 (spec §1.2, §9.1, §9.2, §9.9, §9.10, §10, §13 rows 11–12).
+"""Media pre-processing and text interleaving (spec §1.2, §9.1, §9.2, §9.9, §9.10, §10, §13 rows 11–12).
 
 * `ImageProcessorConfig` reads and writes the released `preprocessor_config.json` (`media_proc_cfg`, §1.2).
 * `process_image` turns one image into a `MediaItem`: RGB(A) decode → §9.2 resize → RGBA composite → pad to
@@ -129,10 +129,6 @@ class ImageProcessorConfig:
             if not isinstance(cfg, dict):
                 raise ValueError(f"{_NESTED_KEY} must be a JSON object, got {type(cfg).__name__}")
             file_extra = {k: v for k, v in d.items() if k != _NESTED_KEY}
-            for key in file_extra.keys() & cfg.keys():
-                if file_extra[key] != cfg[key]:
-                    raise ValueError(f"preprocessor config: {key!r} is {file_extra[key]!r} at the top level but "
-                                     f"{cfg[key]!r} inside {_NESTED_KEY}")
         names = {f.name for f in fields(cls)} - {"extra", "file_extra"}
         known = {k: v for k, v in cfg.items() if k in names}
         extra = {k: v for k, v in cfg.items() if k not in names}
@@ -145,7 +141,13 @@ class ImageProcessorConfig:
                     raise ValueError(f"preprocessor config: transparent_bg_color {known['transparent_bg_color']!r} "
                                      f"contradicts {_BG_KEY} colour {color!r}")
                 known["transparent_bg_color"] = color
-        return cls(**known, extra=extra, file_extra=file_extra)
+        config = cls(**known, extra=extra, file_extra=file_extra)
+        for key in sorted(names & file_extra.keys()):  # a field repeated outside media_proc_cfg must agree
+            outside = tuple(file_extra[key]) if isinstance(file_extra[key], list) else file_extra[key]
+            if outside != getattr(config, key):
+                raise ValueError(f"preprocessor config: {key!r} is {file_extra[key]!r} at the top level but "
+                                 f"{getattr(config, key)!r} from {_NESTED_KEY}")
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         """The released file layout: {**file_extra, "media_proc_cfg": {fields, transparent_bg_config, **extra}}."""
@@ -214,8 +216,8 @@ def resize_size(width: int, height: int, config: ImageProcessorConfig,
     """(W', H') of §9.2 steps 2–3; `patch_limit` defaults to `config.in_patch_limit`.
 
     scale = min(1, sqrt(limit / (max(1, ⌊W/p⌋)·max(1, ⌊H/p⌋))), side/W, side/H), side = 512·14 = 7168;
-    W' = min(max(1, ⌊W·scale⌋), side). The limit bounds the unpadded ⌊W/p⌋·⌊H/p⌋ count, as released: padding to
-    28 can add a few patches beyond it (e.g. 8000×6000 → 222×296 = 65,712 patches).
+    W' = min(max(1, ⌊W·scale⌋), side). As released, the limit bounds ⌊W/p⌋·⌊H/p⌋ before padding: padding
+    to 28 can add a few patches beyond it (e.g. 8000×6000 → 222×296 = 65,712 patches).
     """
     for name, value in (("width", width), ("height", height)):
         if not _is_int(value) or value < 1:
@@ -289,7 +291,7 @@ def patchify(pixels_T3HW: torch.Tensor, patch_size: int) -> torch.Tensor:
 def _array_to_pil(array: np.ndarray) -> Image.Image:
     """uint8 PIL image of an [H, W], [H, W, 1], [H, W, 3] or [H, W, 4] array (uint8 0..255 or float 0..1)."""
     shape = array.shape
-    if array.ndim == 3 and shape[0] in (1, 3, 4) and shape[-1] not in (1, 3, 4):
+    if array.ndim == 3 and shape[0] in (1, 3, 4) and shape[-1] > 4:
         raise ValueError(f"array of shape {shape} looks channel-first; pass [H, W, C] (e.g. array.transpose(1, 2, 0))")
     if not (array.ndim == 2 or (array.ndim == 3 and shape[-1] in (1, 3, 4))):
         raise ValueError(f"unsupported array shape {shape}; expected [H, W] (grayscale), [H, W, 3] (RGB) or "
@@ -372,7 +374,8 @@ def _media_item(pixels_T3HW: torch.Tensor, kind: str, size: tuple[int, int], con
 
 
 def process_image(image: Any, config: ImageProcessorConfig | None = None) -> MediaItem:
-    """One image (PIL image of any 8-bit mode, or a numpy [H, W] / [H, W, 3] / [H, W, 4] array) → MediaItem (§9.2)."""
+    """One image → MediaItem (§9.2): a PIL image of any 8-bit mode or a numpy [H, W] / [H, W, 3] / [H, W, 4] array
+    (uint8 0..255 or float 0..1)."""
     config = config or ImageProcessorConfig()
     pil = _decode(image)
     size = resize_size(pil.width, pil.height, config)

@@ -61,6 +61,7 @@ from k3.model.accounting import count_parameters, forward_flops_per_token
 from k3.optim import make_optimizers, mla_layers
 from k3.optim.muon import block_views
 from k3.train.balance import QuantileBalancer
+from k3.train.tasks import TextTask
 from k3.train.trainer import TrainArgs, Trainer
 from common import CpuWait, machine
 
@@ -95,11 +96,21 @@ def kda_padding_factor(config, batch_size, seq_len, n_batches, seed=0):
     return statistics.mean(factors)
 
 
+class SyntheticText(TextTask):
+    """`TextTask` fed by `synthetic_batches` (no corpus, no tokenizer)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def next_batch(self):
+        return next(self.batches)
+
+
 class SyntheticTrainer(Trainer):
     """`Trainer` with synthetic batches, on CPU, without run directory: `train_step` is the trainer's own."""
 
     def __init__(self, preset, batch_size, seq_len, total_steps, seed=0):
-        self.args = args = TrainArgs(preset=preset, steps=total_steps, batch_size=batch_size, seq_len=seq_len,
+        self.args = args = TrainArgs(preset=preset, steps=total_steps, batch_size=batch_size, seq_len=seq_len, lr=0.03,
                                      out=str(Path(tempfile.gettempdir()) / "k3-train-bench-no-run"), seed=seed)
         self.out = Path(args.out)  # read only if the loss diverges
         self.device = torch.device("cpu")
@@ -109,7 +120,7 @@ class SyntheticTrainer(Trainer):
         self.optimizers = make_optimizers(self.model, self.config, lr=args.lr, weight_decay=args.weight_decay,
                                           ns_dtype=torch.float32)
         self.balancer = QuantileBalancer(self.model, method=args.balancer)
-        self.batches = synthetic_batches(self.config.vocab_size, batch_size, seq_len, seed)
+        self.task = SyntheticText(synthetic_batches(self.config.vocab_size, batch_size, seq_len, seed))
         self.step, self.total_steps, self.history = 0, total_steps, []
         self.mla = mla_layers(self.model)
         self.max_logits = {}

@@ -39,8 +39,8 @@ class TrainArgs:
     seq_len: int = 256
     batch_size: int = 16
     grad_accum: int = 1
-    lr: float = 0.03  # peak (tuned on the k3-tiny demo; lower it for larger models); Muon's RMS matching
-    # lets one rate serve Muon and AdamW (spec §8.2)
+    lr: float | None = None  # peak; None: the task's tuned default (text 0.03, shapes 0.003). Muon's RMS matching
+    # lets one rate serve Muon and AdamW (spec §8.2); lower it for larger models
     min_lr_ratio: float = 0.1
     warmup_frac: float = 0.01
     schedule: str = "cosine"  # "cosine" (K3) | "wsd"
@@ -108,6 +108,8 @@ class Trainer:
             raise ValueError(f"{self.out} already holds a run; continue it with --resume or choose another --out")
         torch.manual_seed(args.seed)
         task = TASKS[args.task]
+        if args.lr is None:
+            args.lr = task.default_lr
         if resume_from is not None:
             self.model = task.model_class.from_pretrained(resume_from).to(self.device)
         else:
@@ -115,8 +117,7 @@ class Trainer:
             self.model = task.model_class(config).to(self.device)
         self.config = self.model.config
         getattr(self.model, "language_model", self.model).model.gradient_checkpointing = args.activation_checkpointing
-        self.task = task(self.config, data=args.data, seq_len=args.seq_len, batch_size=args.batch_size,
-                         seed=args.seed, cache_dir=args.cache_dir, eval_images=args.eval_images)
+        self.task = task.from_args(self.config, args)
         self.optimizers = make_optimizers(
             self.model, self.config, lr=args.lr, weight_decay=args.weight_decay,
             ns_dtype=torch.bfloat16 if self.device.type == "cuda" else torch.float32)

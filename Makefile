@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: demo info test bench clean
+.PHONY: demo demo-vision info test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,18 @@ demo: $(VENV)/.installed
 	@echo "--- sample (k3 generate $(DEMO_RUN)/model) ---"
 	$(VENV)/bin/k3 generate $(DEMO_RUN)/model --prompt "ROMEO." --max-new-tokens 150 --temperature 0.8 --top-p 0.95 --seed 0
 
+VISION_MINUTES ?= 6
+VISION_RUN ?= runs/shapes-$(DEMO_STAMP)
+
+# the multimodal job: a tiny vision-language K3 learns to caption generated images of coloured shapes, then
+# captions a held-out image it has never seen
+demo-vision: $(VENV)/.installed
+	$(VENV)/bin/k3 train --task shapes --minutes $(VISION_MINUTES) --out $(VISION_RUN)
+	@echo "--- held-out captions ($(VISION_RUN)/examples/captions.txt) ---"
+	@cat $(VISION_RUN)/examples/captions.txt
+	@echo "--- k3 generate $(VISION_RUN)/model --image $(VISION_RUN)/examples/held_out_0.png ---"
+	$(VENV)/bin/k3 generate $(VISION_RUN)/model --image $(VISION_RUN)/examples/held_out_0.png --prompt "caption:" --temperature 0 --max-new-tokens 16
+
 info: $(VENV)/.installed
 	$(VENV)/bin/k3 info k3-full
 
@@ -32,6 +44,7 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/kda.py
+	$(PY) benchmarks/vision.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from k3.config import K3Config
 
@@ -82,3 +83,32 @@ def random_media(grids, seed: int = 0, patch_size: int = 14) -> tuple[torch.Tens
     n = int(grid_thws.prod(dim=1).sum())
     pixels = torch.randn(n, 3, patch_size, patch_size, generator=torch.Generator().manual_seed(seed))
     return pixels, grid_thws
+
+
+@torch.no_grad()
+def randomize_parameters(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Move every parameter off its symmetric default (spec §12.2), in place, deterministically.
+
+    RMSNorm gains 1 + 0.2·N, KDA dt_bias 0.5·N and A_log 0.3·N, router bias 0.1·N, AttnRes pseudo-queries
+    0.1·N (so every mix is non-trivial: logits s = Σ_c key·γ·w have a std of ≈ 0.8 at hidden 64).
+    """
+    from k3.model.kda import KimiDeltaAttention
+    from k3.model.moe import MoEGate
+    from k3.model.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn_like(t: torch.Tensor) -> torch.Tensor:
+        return torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype)
+
+    for name, module in model.named_modules():
+        if isinstance(module, RMSNorm):
+            module.weight.copy_(1 + 0.2 * randn_like(module.weight))
+        elif isinstance(module, KimiDeltaAttention):
+            module.dt_bias.copy_(0.5 * randn_like(module.dt_bias))
+            module.A_log.copy_(0.3 * randn_like(module.A_log))
+        elif isinstance(module, MoEGate):
+            module.e_score_correction_bias.copy_(0.1 * randn_like(module.e_score_correction_bias))
+        if name.endswith("_res_proj"):
+            module.weight.copy_(0.1 * randn_like(module.weight))
+    return model

@@ -92,7 +92,10 @@ class K3Config:
         """The parsed `vision_config` of a multimodal file (spec §1.2), None for a text-only model."""
         if self.multimodal is None or "vision_config" not in self.multimodal:
             return None
-        return K3VisionConfig.from_dict(self.multimodal["vision_config"])
+        vision = self.multimodal["vision_config"]
+        missing = {} if not isinstance(vision, dict) or "text_hidden_size" in vision else \
+            {"text_hidden_size": self.hidden_size}  # the projector's output width is the text width
+        return K3VisionConfig.from_dict(vision, **missing)
 
     @property
     def media_placeholder_token_id(self) -> int | None:
@@ -188,9 +191,6 @@ class K3Config:
             vision = self.vision_config  # raises on a malformed vision_config
             need(vision.text_hidden_size == self.hidden_size, "multimodal",
                  f"vision_config.text_hidden_size={vision.text_hidden_size} must equal hidden_size={self.hidden_size}")
-            media = self.media_placeholder_token_id
-            need(isinstance(media, int) and 0 <= media < self.vocab_size, "multimodal",
-                 f"media_placeholder_token_id={media!r} must be a token id in 0..{self.vocab_size - 1}")
 
     # --------------------------------------------------------------------------------------- JSON
     def to_text_dict(self) -> dict[str, Any]:
@@ -285,7 +285,11 @@ class K3Config:
     def from_preset(cls, name: str, **overrides: Any) -> "K3Config":
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls(**copy.deepcopy({**PRESETS[name], **overrides}))
+        kwargs = copy.deepcopy({**PRESETS[name], **overrides})
+        vision = (kwargs.get("multimodal") or {}).get("vision_config")
+        if vision is not None and "hidden_size" in overrides and "multimodal" not in overrides:
+            vision["text_hidden_size"] = overrides["hidden_size"]  # the projector follows the text width
+        return cls(**kwargs)
 
     def replace(self, **changes: Any) -> "K3Config":
         """A validated copy with some fields changed."""
@@ -391,6 +395,8 @@ class K3VisionConfig:
         names = {f.name for f in fields(cls)} - {"extra"}
         kwargs = {k: copy.deepcopy(v) for k, v in d.items() if k in names}
         extra = {k: copy.deepcopy(v) for k, v in d.items() if k not in names}
+        if "vt_hidden_size" in kwargs:  # a file that omits mm_hidden_size: the merger reads the ViT's width
+            kwargs.setdefault("mm_hidden_size", kwargs["vt_hidden_size"])
         return cls(**{**kwargs, **overrides}, extra=extra)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conformance import MEDIA_PAD, build_tiny_vl_config, random_media
+from conformance import MEDIA_PAD, build_tiny_vl_config, random_media, randomize_parameters
 from k3.config import K3Config
 from k3.model import K3ForConditionalGeneration
 from k3.model.accounting import count_parameters
@@ -18,8 +18,6 @@ GRIDS = [(1, 4, 6), (1, 2, 2), (2, 4, 4)]  # 6, 1 and 4 merged tokens
 
 @pytest.fixture(scope="module")
 def vl():
-    from conftest import randomize_parameters
-
     torch.manual_seed(0)
     return randomize_parameters(K3ForConditionalGeneration(build_tiny_vl_config()), seed=0).double().eval()
 
@@ -173,3 +171,20 @@ def test_full_size_counts_on_meta():
     p = count_parameters(model, config)
     assert p.total_params == 2_779_484_476_000 and p.activated_params == 104_189_612_640
     assert p.vision == {"vision_tower": 401_214_464, "mm_projector": 46_144_512}
+
+
+def test_media_placeholder_must_be_in_the_vocabulary():
+    config = build_tiny_vl_config()
+    config = config.replace(multimodal={**config.multimodal, "media_placeholder_token_id": 256})
+    with pytest.raises(ValueError, match="media_placeholder_token_id=256"):
+        K3ForConditionalGeneration(config)
+
+
+def test_vision_config_without_text_width_follows_the_text_model():
+    """A vision_config that omits text_hidden_size / mm_hidden_size takes the text width / the ViT width."""
+    config = build_tiny_vl_config()
+    vision = {k: v for k, v in config.multimodal["vision_config"].items() if k not in ("text_hidden_size",
+                                                                                        "mm_hidden_size")}
+    config = config.replace(multimodal={**config.multimodal, "vision_config": vision})
+    assert config.vision_config.text_hidden_size == 64 and config.vision_config.mm_hidden_size == 24
+    assert config.to_dict()["vision_config"] == vision  # the file is still written back verbatim

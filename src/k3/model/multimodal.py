@@ -69,8 +69,12 @@ class K3ForConditionalGeneration(nn.Module):
         if vision is None:
             raise ValueError("K3ForConditionalGeneration needs a multimodal config with a vision_config "
                              "(use K3ForCausalLM for a text-only model)")
+        media = config.media_placeholder_token_id
+        if not isinstance(media, int) or not 0 <= media < config.vocab_size:
+            raise ValueError(f"config media_placeholder_token_id={media!r} must be a token id in "
+                             f"0..{config.vocab_size - 1}")
         self.config, self.vision_config = config, vision
-        self.media_placeholder_token_id = config.media_placeholder_token_id
+        self.media_placeholder_token_id = media
         self.language_model = K3ForCausalLM(config)
         self.vision_tower = MoonViT(vision)
         self.mm_projector = PatchMergerProjector(vision)  # both initialised as in §9.11

@@ -25,7 +25,13 @@ def plot_losses(history: list[dict], path: str | os.PathLike, reference: float |
     if reference is not None:
         ax.axhline(reference, ls="--", c="gray", label="unigram entropy")
     ax.set(xlabel="step", ylabel="loss (nats/token)", title="K3 training loss")
-    ax.legend()
+    ax.legend(loc="upper center")
+    accuracy = [(m["step"], 100 * m["caption_accuracy"]) for m in history if "caption_accuracy" in m]
+    if accuracy:  # the shapes task: held-out caption exact match on a second axis
+        acc_ax = ax.twinx()
+        acc_ax.plot(*zip(*accuracy), "s-", c="tab:green", label="caption exact match")
+        acc_ax.set(ylabel="held-out caption exact match (%)", ylim=(0, 100))
+        acc_ax.legend(loc="upper right")
     _save(fig, path)
 
 

@@ -66,6 +66,9 @@ class TextTask:
     def evaluate(self, model) -> dict[str, float]:
         return {}
 
+    def report(self, model, directory: Path) -> None:
+        """Task-specific artefacts of a finished run (none for text)."""
+
     def state_dict(self) -> dict:
         return self.batches.state_dict()
 
@@ -195,6 +198,19 @@ class ShapesTask:
             predicted = self.captions(model, [img for img, _ in chunk])
             hits += sum(p == text for p, (_, text) in zip(predicted, chunk))
         return {"caption_accuracy": hits / len(self._held_out)}
+
+    def report(self, model, directory: Path, n: int = 8) -> None:
+        """`examples/`: the first `n` held-out images as PNG and `captions.txt` (true vs greedy caption)."""
+        examples = Path(directory) / "examples"
+        examples.mkdir(parents=True, exist_ok=True)
+        chosen = self._held_out[:n]
+        predicted = self.captions(model, [img for img, _ in chosen])
+        lines = []
+        for i, ((img, truth), guess) in enumerate(zip(chosen, predicted)):
+            img.save(examples / f"held_out_{i}.png")
+            lines.append(f"held_out_{i}.png  {img.size[0]}x{img.size[1]}  {'OK ' if guess == truth else 'BAD'}  "
+                         f"true: {truth!r}  model: {guess!r}")
+        (examples / "captions.txt").write_text("\n".join(lines) + "\n")
 
     def state_dict(self) -> dict:
         return {"position": self.position}

@@ -233,6 +233,7 @@ class Trainer:
         path = self.out / "model"
         self.model.save_pretrained(path)
         self.task.save(path)
+        self.task.report(self.model, self.out)
         return path
 
     def _size_schedule(self, deadline: float, eval_seconds: float) -> None:

@@ -118,8 +118,7 @@ class ShapesTask:
         self.processor = K3Processor(self.tokenizer)
         self.prompt_ids = self.tokenizer.encode(PROMPT)
         self.reference = None
-        n = len(all_captions())
-        self.chance = 1 / n  # uniform guessing over the distinct captions
+        self.chance = 1 / len(all_captions())  # uniform guessing over the distinct captions
         self._held_out = [self._example(HELD_OUT_STREAM, i) for i in range(eval_images)]
 
     @classmethod
@@ -139,20 +138,24 @@ class ShapesTask:
         return {"prompts": prompts, "pixel_values": torch.cat([it.pixel_values for it in items]),
                 "grid_thws": torch.tensor([it.grid_thw for it in items])}
 
+    def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T] ids (padded with `[PAD]` on the left) and attention mask of token lists."""
+        T = max(map(len, rows))
+        ids = torch.full((len(rows), T), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, row in enumerate(rows):
+            ids[b, T - len(row):], mask[b, T - len(row):] = torch.tensor(row), 1
+        return ids, mask
+
     def make_batch(self, examples) -> dict[str, torch.Tensor]:
         """Left-padded [B, T] ids, mask and labels (−100 except on the caption and its end token)."""
         media = self.encode_prompts([img for img, _ in examples])
         eos = self.tokenizer.eos_token_id
-        rows = [(p, self.tokenizer.encode(" " + text) + [eos]) for p, (_, text) in zip(media["prompts"], examples)]
-        T = max(len(p) + len(c) for p, c in rows)
-        ids = torch.full((len(rows), T), self.tokenizer.pad_token_id, dtype=torch.long)
+        targets = [self.tokenizer.encode(" " + text) + [eos] for _, text in examples]
+        ids, mask = self._left_pad([p + c for p, c in zip(media["prompts"], targets)])
         labels = torch.full_like(ids, IGNORE_INDEX)
-        mask = torch.zeros_like(ids)
-        for b, (p, c) in enumerate(rows):
-            n = len(p) + len(c)
-            ids[b, T - n:] = torch.tensor(p + c)
-            labels[b, T - len(c):] = torch.tensor(c)
-            mask[b, T - n:] = 1
+        for b, c in enumerate(targets):
+            labels[b, ids.shape[1] - len(c):] = torch.tensor(c)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels,
                 "pixel_values": media["pixel_values"], "grid_thws": media["grid_thws"]}
 
@@ -173,11 +176,8 @@ class ShapesTask:
     def captions(self, model, images, max_new_tokens: int = 16) -> list[str]:
         """Greedy captions of `images` (batched, left-padded prompts)."""
         media = self.encode_prompts(images)
-        T = max(map(len, media["prompts"]))
-        ids = torch.full((len(images), T), self.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, p in enumerate(media["prompts"]):
-            ids[b, T - len(p):], mask[b, T - len(p):] = torch.tensor(p), 1
+        ids, mask = self._left_pad(media["prompts"])
+        T = ids.shape[1]
         device = next(model.parameters()).device
         out = model.generate(ids.to(device), max_new_tokens, media["pixel_values"].to(device),
                              media["grid_thws"].to(device), temperature=0, attention_mask=mask.to(device),

@@ -31,6 +31,7 @@ def test_info_json_full(capsys):
     assert r["kda_state_bytes_per_sequence_fp32"] == 434_110_464
     assert r["cache_bytes_per_sequence"]["1M"] == 27_648 * 2 ** 20 + 434_110_464 + 15_261_696
     assert r["forward_flops_per_token"]["4K"] < r["forward_flops_per_token"]["1M"]
+    assert r["vision_params"] == {"vision_tower": 401_214_464, "mm_projector": 46_144_512}  # §2.2, apart
 
 
 def test_info_text_report(capsys):
@@ -42,6 +43,7 @@ def test_info_text_report(capsys):
     assert "K2" in out and "1.04 T" in out and "32.6 B" in out and "18432" in out and "33792" in out
     assert "69 KDA" in out and "24 gated NoPE MLA" in out
     assert "13,824" in out
+    assert "MoonViT-V2 vision tower" in out and "401,214,464" in out and "46,144,512" in out
 
 
 @pytest.mark.parametrize("name", ["k3-huge", "no/such/dir"])

@@ -188,3 +188,20 @@ def test_vision_config_without_text_width_follows_the_text_model():
     config = config.replace(multimodal={**config.multimodal, "vision_config": vision})
     assert config.vision_config.text_hidden_size == 64 and config.vision_config.mm_hidden_size == 24
     assert config.to_dict()["vision_config"] == vision  # the file is still written back verbatim
+
+
+def test_bf16_model_runs_and_its_media_features_match(vl):
+    """A bf16 copy runs (KDA gate/conv tensors stay fp32, §0.4); its projected media features have cosine
+    ≥ 0.999 with the float64 ones (the randomised text model itself is too sensitive for a tight bound)."""
+    import copy
+
+    ids, pixels, grids = batch()
+    half = copy.deepcopy(vl).to(torch.bfloat16)
+    assert half.language_model.model.layers[0].self_attn.A_log.dtype == torch.float32
+    assert torch.isfinite(half(ids, pixels.float(), grids).logits).all()
+    with torch.no_grad():
+        reference = torch.cat(vl.encode_media(pixels, grids))
+        features = torch.cat(half.encode_media(pixels.float(), grids))
+    assert features.dtype == torch.bfloat16
+    cosine = torch.nn.functional.cosine_similarity(features.double().flatten(), reference.flatten(), dim=0)
+    assert cosine > 0.999

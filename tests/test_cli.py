@@ -137,3 +137,21 @@ def test_generate_errors_are_clear(checkpoint, tmp_path, capsys, case):
         args, message = [path, "--prompt", ""], "prompt is empty"
     assert main(["generate", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_streamer_does_not_print_stop_tokens():
+    import io
+
+    from k3.cli import TextStreamer
+
+    class Letters:  # id i decodes to the i-th letter
+        @staticmethod
+        def decode(ids):
+            return "".join(chr(97 + i) for i in ids)
+
+    out = io.StringIO()
+    streamer = TextStreamer(Letters(), out=out, skip_ids=[25])
+    for token in (0, 1, 25):
+        streamer.put(torch.tensor([token]))
+    streamer.end()
+    assert out.getvalue() == "ab\n"

@@ -130,12 +130,15 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 class TextStreamer:
     """Prints the decoded continuation of row 0 as tokens arrive (whole characters only: a partial UTF-8
-    sequence waits for its next byte)."""
+    sequence waits for its next byte); ids in `skip_ids` (the stop tokens) are not printed."""
 
-    def __init__(self, tokenizer, out=None):
+    def __init__(self, tokenizer, out=None, skip_ids=()):
         self.tokenizer, self.out, self.ids, self.printed = tokenizer, out or sys.stdout, [], 0
+        self.skip_ids = set(skip_ids)
 
     def put(self, tokens_B: torch.Tensor) -> None:
+        if int(tokens_B[0]) in self.skip_ids:
+            return
         self.ids.append(int(tokens_B[0]))
         text = self.tokenizer.decode(self.ids)
         if not text.endswith("\ufffd"):
@@ -184,7 +187,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stops = [t for t in (tokenizer.eos_token_id, tokenizer.eod_token_id) if t is not None]
     print(args.prompt, end="", flush=True)
     model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   eos_token_id=stops or None, seed=args.seed, streamer=TextStreamer(tokenizer), **media)
+                   eos_token_id=stops or None, seed=args.seed, streamer=TextStreamer(tokenizer, skip_ids=stops),
+                   **media)
     return 0
 
 

@@ -24,8 +24,8 @@ builds the model, optimisers, balancer and hooks exactly as `Trainer.__init__`/`
      gradients of all its inputs. CPU autograd runs on the calling thread and pops ready nodes by decreasing
      sequence number, so nodes created inside the sublayer run before any node created before it: the window is
      the sublayer's backward (parameter-gradient accumulation included);
-   * nested inside KDA, the KDA core (`kda_by_document`: gather to padded documents, `chunk_kda`, scatter) with
-     the same markers, reported as a sub-row;
+   * nested inside KDA, the KDA core (`chunk_kda_by_document`: re-lay every document on chunk boundaries,
+     `chunk_kda` with state resets, gather back) with the same markers, reported as a sub-row;
    * the QK-Clip max-logit recomputation (forward pre-hook, outside the MLA window) and the QB statistics (router
      observer, inside the MoE forward, subtracted from it) are timed on their own;
    * clip, Muon, AdamW, QK-Clip rescale and QB solve/install are timed around those calls (optimiser step hooks;
@@ -58,6 +58,7 @@ import k3.train.trainer as trainer_module
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
 from k3.model.accounting import count_parameters, forward_flops_per_token
+from k3.ops.kda.varlen import chunk_aligned_layout
 from k3.optim import make_optimizers, mla_layers
 from k3.optim.muon import block_views
 from k3.train.balance import QuantileBalancer
@@ -85,14 +86,12 @@ def synthetic_batches(vocab_size, batch_size, seq_len, seed=0):
 
 
 def kda_padding_factor(config, batch_size, seq_len, n_batches, seed=0):
-    """Mean over the first batches of (tokens the KDA core processes) / (real tokens): `kda_by_document` pads every
-    document to the row-set's longest one, and `chunk_kda` that length to a multiple of `kda_chunk_size`."""
+    """Mean over the first batches of (tokens the KDA core processes) / (real tokens): `chunk_kda_by_document`
+    pads every document to a multiple of `kda_chunk_size` and the rows to the longest re-laid row."""
     batches, C, factors = synthetic_batches(config.vocab_size, batch_size, seq_len, seed), config.kda_chunk_size, []
     for _ in range(n_batches):
-        document_ids_BT = next(batches)["document_ids"]
-        lengths = torch.unique_consecutive(document_ids_BT + seq_len * torch.arange(batch_size)[:, None],
-                                           return_counts=True)[1]
-        factors.append(lengths.numel() * -(-int(lengths.max()) // C) * C / document_ids_BT.numel())
+        _, reset_BN = chunk_aligned_layout(next(batches)["document_ids"], C)
+        factors.append(reset_BN.numel() * C / (batch_size * seq_len))
     return statistics.mean(factors)
 
 
@@ -159,7 +158,7 @@ class StepProfiler:
             self._wrap(layer.block_sparse_moe if moe else layer.mlp, "forward", self._timed_call,
                        "MoE" if moe else "dense MLP")
         self._wrap(k3_model, "attn_res_mix", self._timed_call, "AttnRes")
-        self._wrap(kda_module, "kda_by_document", self._timed_call, "KDA core")
+        self._wrap(kda_module, "chunk_kda_by_document", self._timed_call, "KDA core")
         for stats in trainer.balancer.layers:
             self._wrap(stats.gate, "observer", self._phase, "QB statistics")
         self._wrap(trainer_module, "mla_max_logits", self._phase, "QK-Clip max logits")
@@ -384,7 +383,7 @@ def bench_preset(name):
     flops["Muon"] = ns_flops
     for key in model_keys[:1] + ["KDA core"] + model_keys[1:] + hook_keys + step_keys:
         fwd, bwd = comp[key]
-        label = "↳ of which KDA core (`kda_by_document`)" if key == "KDA core" else key
+        label = "↳ of which KDA core (`chunk_kda_by_document`)" if key == "KDA core" else key
         rows.append([name, label, n_layers.get(key, n_layers["KDA"] if key == "KDA core" else ""),
                      ms(fwd) if key not in step_keys else "", ms(bwd) if key in model_keys + ["KDA core"] else "",
                      ms(fwd + bwd), f"{100 * (fwd + bwd) / prof_total:.1f} %",
@@ -428,8 +427,8 @@ def main():
     print(f"Throughput: median step time of the clean steps; model GFLOP/step = 3·forward_flops_per_token(T)·B·T "
           f"(share of MLA-attention + KDA-core terms in brackets); peak = median {PEAK_N}³ fp32 torch.mm (before / "
           f"after the steps, the higher); NS = Muon's Newton–Schulz FLOPs (not model FLOPs); KDA core tokens = "
-          f"documents × their longest length rounded up to kda_chunk_size (the padded [documents, length] batch of "
-          f"kda_by_document); CPU wait = share of the preset's wall time in which some task waited for a core "
+          f"rows × the longest row after chunk_kda_by_document re-lays every document on chunk boundaries (each "
+          f"padded to a multiple of kda_chunk_size); CPU wait = share of the preset's wall time in which some task waited for a core "
           f"(/proc/pressure/cpu; ≈ 0 % = no competing process)")
     print_table(["preset", "B×T", "params total / activated (M)", "step ms", "tokens/s", "model GFLOP/step",
                  "model GFLOP/s", "mm peak GFLOP/s", "MFU", "NS GFLOP/step", "(model + NS) GFLOP/s",

@@ -16,7 +16,7 @@ from k3.inference.cache import KDACache, StepContext
 from k3.model.norm import RMSNorm, l2_normalize, rms_normalize
 from k3.model.precision import KeepFP32, fp32
 from k3.ops.kda import chunk_kda, recurrent_kda
-from k3.ops.kda.varlen import kda_by_document
+from k3.ops.kda.varlen import chunk_kda_by_document, kda_by_document
 
 
 def kda_decay(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor,
@@ -141,9 +141,11 @@ class KimiDeltaAttention(KeepFP32):
             beta_BTH = beta_BTH.masked_fill(~valid_BT1, 0)
         state = None if cache is None else cache.recurrent_state_BHKV
         op = recurrent_kda if self.config.kda_impl == "recurrent" else chunk_kda
-        if documents is not None:  # packed rows: every document starts from a zero state
-            kwargs = {} if op is recurrent_kda else {"chunk_size": self.config.kda_chunk_size}
-            o_BTHK = kda_by_document(op, q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, documents, **kwargs)
+        if documents is not None and op is recurrent_kda:  # packed rows: every document starts from zero
+            o_BTHK = kda_by_document(op, q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, documents)
+        elif documents is not None:
+            o_BTHK = chunk_kda_by_document(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, documents,
+                                           chunk_size=self.config.kda_chunk_size)
         elif op is recurrent_kda or (T == 1 and cache is not None):
             o_BTHK, state = recurrent_kda(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, initial_state=state,
                                           output_final_state=cache is not None)

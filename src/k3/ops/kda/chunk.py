@@ -16,15 +16,23 @@ from k3.ops.kda.naive import prepare_inputs
 SUB_CHUNK = 16  # secondary chunking (spec §3.6): the C×C intra-chunk matrices are built from L×L blocks
 
 
-def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64):
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64,
+              reset_chunks=None):
     """KDA over whole chunks of `chunk_size` tokens (spec §3.5); same contract as `recurrent_kda`.
 
     q, k [B,T,H,K] (already L2-normalised), v [B,T,H,V], g [B,T,H,K] per-channel log-decay (≤ 0, any
     magnitude), beta [B,T,H] in (0, 1), initial_state [B,H,K,V] (key-major) or None for zeros.
+    `reset_chunks` [B, N] bool (N = ⌈T / chunk_size⌉): the state entering chunk n is zero, i.e. a new sequence
+    starts there (packed documents laid out on chunk boundaries, spec §3.8; see `varlen.chunk_kda_by_document`).
     Returns (o [B,T,H,V] in q.dtype, final state [B,H,K,V] in the compute dtype, or None).
     """
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    n_chunks = -(-q.shape[1] // chunk_size)
+    if reset_chunks is not None and (tuple(reset_chunks.shape) != (q.shape[0], n_chunks)
+                                     or reset_chunks.dtype != torch.bool):
+        raise ValueError(f"reset_chunks must be a bool tensor [batch, chunks] = {[q.shape[0], n_chunks]}, got "
+                         f"{reset_chunks.dtype} {list(reset_chunks.shape)}")
     out_dtype = q.dtype
     q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV = prepare_inputs(q, k, v, g, beta, scale, initial_state)
     T = q_BTHK.shape[1]
@@ -42,7 +50,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     W_BHNCK, U_BHNCV = _wy_representation(A_BHNCC, beta_BHNC1 * decay_BHNCK * k_BHNCK, beta_BHNC1 * v_BHNCV)
 
     k_to_end_BHNCK = k_BHNCK * _sum_after(g_BHNCK).exp()  # K ⊙ e^{b_C − b}
-    S_in_BHNKV, u_BHNCV, S_BHKV = _scan_chunks(S_BHKV, W_BHNCK, U_BHNCV, k_to_end_BHNCK, decay_BHNCK[..., -1:, :])
+    keep_BN = None if reset_chunks is None else ~reset_chunks.to(q_BHNCK.device)
+    S_in_BHNKV, u_BHNCV, S_BHKV = _scan_chunks(S_BHKV, W_BHNCK, U_BHNCV, k_to_end_BHNCK, decay_BHNCK[..., -1:, :],
+                                               keep_BN)
     o_BHNCV = (q_BHNCK * decay_BHNCK) @ S_in_BHNKV + M_BHNCC @ u_BHNCV  # O = (Q ⊙ e^b) S + M Ũ (step 6)
     o_BTHV = o_BHNCV.flatten(2, 3)[:, :, :T].transpose(1, 2)  # drop the padding
     return o_BTHV.to(out_dtype).contiguous(), (S_BHKV if output_final_state else None)
@@ -122,15 +132,18 @@ def _wy_representation(A_BHNCC, beta_k_decayed_BHNCK, beta_v_BHNCV):
     return WU_BHNCD.split([K, WU_BHNCD.shape[-1] - K], -1)
 
 
-def _scan_chunks(S_BHKV, W_BHNCK, U_BHNCV, k_to_end_BHNCK, decay_end_BHN1K):
-    """The sequential part (spec §3.5 steps 4 and 7), one chunk at a time.
+def _scan_chunks(S_BHKV, W_BHNCK, U_BHNCV, k_to_end_BHNCK, decay_end_BHN1K, keep_BN=None):
+    """The sequential part (spec §3.5 steps 4 and 7), one chunk at a time; `keep_BN` false zeroes the state
+    entering that chunk (a new sequence starts there).
 
     Returns the state entering every chunk [B,H,N,K,V], the pseudo-values Ũ [B,H,N,C,V] and the final state.
     """
     states, pseudo_values = [], []
-    for W_BHCK, U_BHCV, k_to_end_BHCK, decay_end_BH1K in zip(
+    for n, (W_BHCK, U_BHCV, k_to_end_BHCK, decay_end_BH1K) in enumerate(zip(
         W_BHNCK.unbind(2), U_BHNCV.unbind(2), k_to_end_BHNCK.unbind(2), decay_end_BHN1K.unbind(2)
-    ):
+    )):
+        if keep_BN is not None:
+            S_BHKV = S_BHKV * keep_BN[:, n, None, None, None].to(S_BHKV.dtype)
         u_BHCV = U_BHCV - W_BHCK @ S_BHKV  # Ũ = U − W S
         states.append(S_BHKV)
         pseudo_values.append(u_BHCV)

@@ -122,8 +122,9 @@ def test_cache_copy_continues_like_the_original(tiny_model):
 
 
 # ------------------------------------------------------------------------------ which path runs when
-def test_one_token_calls_use_recurrent_kda_and_absorbed_mla(tiny_model, monkeypatch):
-    """Cached 1-token calls: recurrent KDA + absorbed MLA (or expanded, by mla_decode); longer: chunk + expanded."""
+def test_which_kda_and_mla_paths_run(tiny_model, monkeypatch):
+    """Cached 1-token calls: recurrent KDA; longer: chunk. Cached calls up to `absorbed_max_tokens` (70 at the
+    §12.2 dims): absorbed MLA (or expanded, by mla_decode); longer cached calls and uncached calls: expanded."""
     calls: list[tuple[str, int]] = []
 
     def spy(name, fn, t_axis):
@@ -139,7 +140,8 @@ def test_one_token_calls_use_recurrent_kda_and_absorbed_mla(tiny_model, monkeypa
     monkeypatch.setattr(GatedMLA, "attend_expanded", spy("expanded", expanded, 1))
     model = tiny_model(seed=6)
     n_kda, n_mla = len(kda_layers(model)), len(mla_layers(model))
-    ids = ids_for(256, 2, 9, seed=6)
+    assert model.model.layers[mla_layers(model)[0]].self_attn.absorbed_max_tokens == 20 * (16 + 12) // (2 * 4)
+    ids = ids_for(256, 2, 80, seed=6)
     cache = model.make_cache(2)
 
     def kinds():
@@ -148,9 +150,11 @@ def test_one_token_calls_use_recurrent_kda_and_absorbed_mla(tiny_model, monkeypa
         return got
 
     model(ids[:, :8], cache=cache)
-    assert kinds() == [("chunk", 8), ("expanded", 8)]
-    model(ids[:, 8:], cache=cache)
+    assert kinds() == [("absorbed", 8), ("chunk", 8)]
+    model(ids[:, 8:9], cache=cache)
     assert kinds() == [("absorbed", 1), ("recurrent", 1)]
+    model(ids[:, 9:], cache=cache)  # 71 tokens: past the crossover
+    assert kinds() == [("chunk", 71), ("expanded", 71)]
     model(ids[:, :1])  # no cache: a one-token forward is a (trivial) prefill
     assert kinds() == [("chunk", 1), ("expanded", 1)]
 

@@ -13,7 +13,6 @@ from torch import nn
 from k3.config import K3Config
 from k3.inference.cache import MLACache, StepContext
 from k3.model.norm import RMSNorm
-from k3.model.precision import fp32
 
 MLA_LORA_NORM_EPS = 1e-6  # spec §0.5: class default of the reference RMSNorm; the config's eps is not passed
 
@@ -62,8 +61,9 @@ class GatedMLA(nn.Module):
                 ctx: StepContext | None = None) -> torch.Tensor:
         """Causal attention of the new tokens over the cached and new ones; x is the `input_layernorm` output.
 
-        Only the latent [ĉ ‖ k_pe] is cached. One-token calls use the absorbed form (spec §4.4) unless
-        `mla_decode = "expanded"`; multi-token calls (training, prefill) use the expanded form (spec §4.2).
+        Only the latent [ĉ ‖ k_pe] is cached. Cached calls of at most `absorbed_max_tokens` new tokens (decode
+        steps, short chunks) use the absorbed form (spec §4.4) unless `mla_decode = "expanded"`; training and
+        longer prefill chunks use the expanded form (spec §4.2).
         """
         ctx = ctx or StepContext()
         T = x_BTD.shape[1]
@@ -73,11 +73,22 @@ class GatedMLA(nn.Module):
             latent_BSL = cache.latent_BSL[:, : ctx.start + T]
         mask_B1TS = attention_mask(T, ctx.start, ctx.key_valid_BS, x_BTD.device, ctx.document_ids_BT)
         q_nope_BTHN, q_pe_BTHR = self.project_query(x_BTD)
-        if T == 1 and cache is not None and self.config.mla_decode == "absorbed":
+        if cache is not None and self.config.mla_decode == "absorbed" and T <= self.absorbed_max_tokens:
             o_BTHV = self.attend_absorbed(q_nope_BTHN, q_pe_BTHR, latent_BSL, mask_B1TS)
         else:
             o_BTHV = self.attend_expanded(q_nope_BTHN, q_pe_BTHR, latent_BSL, mask_B1TS)
         return self.gate_and_project(x_BTD, o_BTHV)
+
+    @property
+    def absorbed_max_tokens(self) -> int:
+        """Longest cached call that is cheaper in the absorbed form. Per (query, key) pair the absorbed form
+        attends over C + R latent numbers instead of N + R (×2 for scores and values); the expanded form pays
+        kv_b_proj, C·(N + Vh) per head, for every cached key. Absorbed wins while T·2(C − N) < C·(N + Vh)."""
+        cfg = self.config
+        C, N = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        if C <= N:
+            return 2**62  # never more work per pair
+        return max(1, C * (N + cfg.v_head_dim) // (2 * (C - N)))
 
     def attend_expanded(self, q_nope_BTHN: torch.Tensor, q_pe_BTHR: torch.Tensor, latent_BSL: torch.Tensor,
                         mask_B1TS: torch.Tensor | None) -> torch.Tensor:
@@ -102,21 +113,21 @@ class GatedMLA(nn.Module):
                         mask_B1TS: torch.Tensor | None) -> torch.Tensor:
         """MQA over the latent (spec §4.4): W_UK folded into the query, W_UV applied per head after attention.
 
-        score = [W_UKᵀ q_nope ‖ q_pe] · [ĉ ‖ k_pe] / sqrt(N + R); o = W_UV (Σ_s p_s ĉ_s).
+        score = [W_UKᵀ q_nope ‖ q_pe] · [ĉ ‖ k_pe] / sqrt(N + R); o = W_UV (Σ_s p_s ĉ_s). One SDPA call with a
+        single shared key/value head (the latent), so no [T, S] score tensor is materialised.
         """
         cfg = self.config
-        C, N = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        C, N, R = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         W_HDC = self.kv_b_proj.weight.view(self.num_heads, N + cfg.v_head_dim, C)
         W_UK_HNC, W_UV_HVC = W_HDC[:, :N], W_HDC[:, N:]
         q_BTHL = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope_BTHN, W_UK_HNC), q_pe_BTHR], dim=-1)
-        scores_BHTS = torch.einsum("bthl,bsl->bhts", q_BTHL, latent_BSL) * self.scale
-        T, S = scores_BHTS.shape[-2:]
-        if mask_B1TS is None:  # fresh unpadded sequence: plain causal
-            mask_B1TS = torch.ones(T, S, dtype=torch.bool, device=scores_BHTS.device).tril(S - T)
-        scores_BHTS = scores_BHTS.masked_fill(~mask_B1TS, float("-inf"))
-        p_BHTS = torch.softmax(fp32(scores_BHTS), dim=-1).to(latent_BSL.dtype)
-        o_lat_BTHC = torch.einsum("bhts,bsc->bthc", p_BHTS, latent_BSL[..., :C])
-        return torch.einsum("bthc,hvc->bthv", o_lat_BTHC, W_UV_HVC)
+        B, T, H, L = q_BTHL.shape
+        S = latent_BSL.shape[1]
+        key_BHSL = latent_BSL[:, None].expand(B, H, S, L)
+        value_BHSL = F.pad(latent_BSL[..., :C], (0, R))[:, None].expand(B, H, S, L)  # ĉ, zero-padded to L
+        o_BHTL = F.scaled_dot_product_attention(q_BTHL.transpose(1, 2), key_BHSL, value_BHSL, attn_mask=mask_B1TS,
+                                                is_causal=mask_B1TS is None and T > 1, scale=self.scale)
+        return torch.einsum("bhtc,hvc->bthv", o_BHTL[..., :C], W_UV_HVC)
 
 
 def attention_mask(T: int, start: int, key_valid_BS: torch.Tensor | None, device: torch.device,

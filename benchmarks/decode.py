@@ -44,6 +44,7 @@ NO_CACHE_CONTEXTS = (1024, 8192)  # where the full forward without a cache is al
 PREFILL_CHUNK = 2048  # the expanded MLA prefill materialises [H, chunk, context] scores (math SDPA path)
 MLA_DECODE_MODES = ("absorbed", "expanded")
 DECODE_STEPS = 16  # timed one-token steps per mode and context, after one warm-up step
+APPEND_TOKENS, APPEND_STEPS = 16, 4  # short multi-token calls (a chat turn, a verified draft) per mode and context
 PREFILL_BUDGET_S = 180.0  # per preset, cumulative
 
 
@@ -105,8 +106,9 @@ def restore(cache: K3Cache, snap) -> None:
             layer.recurrent_state_BHKV = state[1].clone()
 
 
-def decode_paired(model, cache, ids_BT, timer, steps):
-    """One warm-up step, then `steps` timed steps feeding ids_BT[:, length + j], each step run in both MLA forms.
+def decode_paired(model, cache, ids_BT, timer, steps, tokens=1):
+    """One warm-up step, then `steps` timed steps of `tokens` new tokens each (the next ids of ids_BT), each step
+    run in both MLA forms (for `tokens` > 1 the absorbed form applies up to `absorbed_max_tokens`).
 
     Every step is decoded absorbed and then expanded from the same cache state (the second restores what the
     first changed), so both forms see the same tokens and the same machine load; the ratio is taken per step.
@@ -117,13 +119,13 @@ def decode_paired(model, cache, ids_BT, timer, steps):
     logits = {mode: [] for mode in MLA_DECODE_MODES}
     bytes_before, length_before = cache.nbytes(), cache.length
     for j in range(steps + 1):
-        step_ids_B1 = ids_BT[:, cache.length: cache.length + 1]
+        step_ids_B1 = ids_BT[:, cache.length: cache.length + tokens]
         before = snapshot(cache)
         for mode in MLA_DECODE_MODES:
             restore(cache, before)
             with mla_decode_mode(model, mode), timer.measure():
                 start = time.perf_counter()
-                logits_B1V = model(step_ids_B1, cache=cache).logits
+                logits_B1V = model(step_ids_B1, cache=cache).logits[:, -1:]
                 elapsed = time.perf_counter() - start
             logits[mode].append(logits_B1V[0, 0])
             if j > 0:  # step 0 is the warm-up
@@ -197,14 +199,14 @@ def bench_preset(name, contexts, budget_s):
     timer = SublayerTimer(model)
     dtype = model.model.embed_tokens.weight.dtype
     sizes = cache_sizes(config, activation_bytes=dtype.itemsize)
-    ids_BT = torch.randint(0, config.vocab_size, (1, max(contexts) + DECODE_STEPS + 2),
+    ids_BT = torch.randint(0, config.vocab_size, (1, max(contexts) + (APPEND_STEPS + 2) * APPEND_TOKENS),
                            generator=torch.Generator().manual_seed(1))
     cache = model.make_cache(1, capacity=ids_BT.shape[1])
     print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
           f"{timer.n_layers['kda']} KDA + {timer.n_layers['mla']} MLA layers, {dtype}", flush=True)
 
     model(ids_BT[:, :PREFILL_CHUNK])  # warm-up: first calls pay for allocator growth and kernel set-up
-    decode_rows, bytes_rows, no_cache_rows = [], [], []
+    decode_rows, bytes_rows, no_cache_rows, append_rows = [], [], [], []
     prefill = Prefill(model, cache, ids_BT, budget_s)
     for context in contexts:
         if not prefill.to(context):
@@ -212,10 +214,16 @@ def bench_preset(name, contexts, budget_s):
                   f"({prefill.spent_s:.0f} s spent, cache at {cache.length} tokens, the rest projected at "
                   f"≥ {prefill.projected_s:.0f} s)", flush=True)
             decode_rows.append([name, context, "skipped: prefill budget"] + [""] * 9)
+            append_rows.append([name, context, "skipped: prefill budget"] + [""] * 3)
             break
         snap, cpu_wait = snapshot(cache), CpuWait()
         result = decode_paired(model, cache, ids_BT, timer, DECODE_STEPS)
         restore(cache, snap)
+        append = decode_paired(model, cache, ids_BT, timer, APPEND_STEPS, tokens=APPEND_TOKENS)
+        restore(cache, snap)
+        append_rows.append([name, context, f"{1e3 * append['absorbed']['total']:.1f}",
+                            f"{1e3 * append['expanded']['total']:.1f}", f"{append['ratio']:.2f}",
+                            f"{(append['absorbed']['logits_NV'] - append['expanded']['logits_NV']).abs().max():.1e}"])
         absorbed, expanded, cpu_wait = result["absorbed"], result["expanded"], str(cpu_wait)
         max_diff = (absorbed["logits_NV"] - expanded["logits_NV"]).abs().max().item()
         decode_rows.append([
@@ -240,7 +248,7 @@ def bench_preset(name, contexts, budget_s):
                                   f"{full_s / absorbed['total']:,.0f}", f"{diff:.1e}"])
         print(f"  {name} @ {context}: done (prefill {prefill.spent_s:.0f} s so far, "
               f"{time.perf_counter() - preset_start:.0f} s in all)", flush=True)
-    return decode_rows, bytes_rows, no_cache_rows
+    return decode_rows, bytes_rows, no_cache_rows, append_rows
 
 
 def main():
@@ -262,12 +270,13 @@ def main():
     print(f"B=1, fp32, no_grad, random init; prefill chunks of {PREFILL_CHUNK}; median of {DECODE_STEPS} decode "
           f"steps after 1 warm-up step\n", flush=True)
 
-    decode_rows, bytes_rows, no_cache_rows = [], [], []
+    decode_rows, bytes_rows, no_cache_rows, append_rows = [], [], [], []
     for name in PRESETS:
-        d, b, n = bench_preset(name, contexts, args.prefill_budget)
+        d, b, n, a = bench_preset(name, contexts, args.prefill_budget)
         decode_rows += d
         bytes_rows += b
         no_cache_rows += n
+        append_rows += a
     print()
 
     print("Decode latency, ms per token (absorbed = MQA over the latent, spec §4.4; expanded = MHA, spec §4.2);"
@@ -276,6 +285,10 @@ def main():
     print_table(["preset", "context", "prefill tok/s", "absorbed ms", "expanded ms", "expanded/absorbed",
                  "KDA attn ms", "MLA attn ms (abs.)", "MLA attn ms (exp.)", "other ms (abs.)",
                  "max Δlogit abs. vs exp.", "CPU wait"], decode_rows, "lrrrrrrrrrrr")
+    print(f"Appending {APPEND_TOKENS} tokens to the cache in one call, ms per call (median of {APPEND_STEPS} after "
+          f"1 warm-up; absorbed = one SDPA over the shared latent, expanded = MHA after kv_b_proj over the context)")
+    print_table(["preset", "context", "absorbed ms", "expanded ms", "expanded/absorbed", "max Δlogit"],
+                append_rows, "lrrrrr")
     print("Cache bytes (K3Cache.nbytes(); analytic: accounting.cache_sizes with the fp32 size)")
     print_table(["preset", "context", "growth B/token", "analytic B/token", "fixed KDA B", "analytic fixed B",
                  "cache MiB", "analytic MiB"], bytes_rows, "lrrrrrrr")

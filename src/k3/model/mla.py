@@ -13,6 +13,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.inference.cache import MLACache, StepContext
 from k3.model.norm import RMSNorm
+from k3.model.precision import fp32
 
 MLA_LORA_NORM_EPS = 1e-6  # spec §0.5: class default of the reference RMSNorm; the config's eps is not passed
 
@@ -113,8 +114,9 @@ class GatedMLA(nn.Module):
                         mask_B1TS: torch.Tensor | None) -> torch.Tensor:
         """MQA over the latent (spec §4.4): W_UK folded into the query, W_UV applied per head after attention.
 
-        score = [W_UKᵀ q_nope ‖ q_pe] · [ĉ ‖ k_pe] / sqrt(N + R); o = W_UV (Σ_s p_s ĉ_s). One SDPA call with a
-        single shared key/value head (the latent), so no [T, S] score tensor is materialised.
+        score = [W_UKᵀ q_nope ‖ q_pe] · [ĉ ‖ k_pe] / sqrt(N + R); o = W_UV (Σ_s p_s ĉ_s). The latent is one key/value
+        head shared by all heads, so the heads are folded into the query axis and the latent is read once: a
+        one-token step as two GEMMs over [H, S] scores; longer calls as one SDPA call (no [H·T, S] score tensor).
         """
         cfg = self.config
         C, N, R = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -123,11 +125,22 @@ class GatedMLA(nn.Module):
         q_BTHL = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope_BTHN, W_UK_HNC), q_pe_BTHR], dim=-1)
         B, T, H, L = q_BTHL.shape
         S = latent_BSL.shape[1]
-        key_BHSL = latent_BSL[:, None].expand(B, H, S, L)
-        value_BHSL = F.pad(latent_BSL[..., :C], (0, R))[:, None].expand(B, H, S, L)  # ĉ, zero-padded to L
-        o_BHTL = F.scaled_dot_product_attention(q_BTHL.transpose(1, 2), key_BHSL, value_BHSL, attn_mask=mask_B1TS,
-                                                is_causal=mask_B1TS is None and T > 1, scale=self.scale)
-        return torch.einsum("bhtc,hvc->bthv", o_BHTL[..., :C], W_UV_HVC)
+        if T == 1:
+            scores_BHS = torch.einsum("bhl,bsl->bhs", q_BTHL[:, 0], latent_BSL) * self.scale
+            if mask_B1TS is not None:
+                scores_BHS = scores_BHS.masked_fill(~mask_B1TS[:, :, 0], float("-inf"))
+            p_BHS = torch.softmax(fp32(scores_BHS), dim=-1).to(latent_BSL.dtype)
+            o_lat_BTHC = torch.einsum("bhs,bsc->bhc", p_BHS, latent_BSL[..., :C])[:, None]
+        else:
+            q_B1XL = q_BTHL.permute(0, 2, 1, 3).reshape(B, 1, H * T, L)  # X = H·T queries, head-major
+            value_B1SL = F.pad(latent_BSL[..., :C], (0, R))[:, None]  # ĉ zero-padded to L: the fused kernel
+            if mask_B1TS is None:  # fresh unpadded sequence (S = T): plain causal within each head
+                mask_B1TS = torch.ones(T, S, dtype=torch.bool, device=q_BTHL.device).tril(S - T)[None, None]
+            mask_B1XS = mask_B1TS.expand(mask_B1TS.shape[0], H, T, S).reshape(mask_B1TS.shape[0], 1, H * T, S)
+            o_B1XL = F.scaled_dot_product_attention(q_B1XL, latent_BSL[:, None], value_B1SL, attn_mask=mask_B1XS,
+                                                    scale=self.scale)
+            o_lat_BTHC = o_B1XL[..., :C].view(B, H, T, C).transpose(1, 2)
+        return torch.einsum("bthc,hvc->bthv", o_lat_BTHC, W_UV_HVC)
 
 
 def attention_mask(T: int, start: int, key_valid_BS: torch.Tensor | None, device: torch.device,

@@ -73,6 +73,9 @@ def test_train_resume_and_caption_cli(tmp_path, capsys):
     assert 0 <= straight["caption_accuracy"] <= 1 and straight["chance_accuracy"] == pytest.approx(1 / 276)
     model_dir = tmp_path / "a" / "model"
     assert (model_dir / "preprocessor_config.json").is_file() and (model_dir / "tiktoken.model").is_file()
+    examples = tmp_path / "a" / "examples"
+    assert (examples / "examples.png").is_file() and (examples / "held_out_3.png").is_file()
+    assert len((examples / "captions.txt").read_text().splitlines()) == 4  # eval_images = 4
     assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["KimiK3ForConditionalGeneration"]
     metrics = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert "caption_accuracy" in metrics[0] and "caption_accuracy" in metrics[-1]

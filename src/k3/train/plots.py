@@ -86,6 +86,21 @@ def plot_attn_res(table: torch.Tensor, labels: list[str], path: str | os.PathLik
     _save(fig, path)
 
 
+def plot_captions(images, truths: list[str], predictions: list[str], path: str | os.PathLike) -> None:
+    """A grid of images, each titled with the model's caption (green if exactly right, red otherwise) and the
+    true caption below it."""
+    cols = min(4, len(images))
+    rows = -(-len(images) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image, truth, guess in zip(axes.flat, images, truths, predictions):
+        ax.imshow(image)
+        ax.set_title(f"model: {guess}", fontsize=7, color="tab:green" if guess == truth else "tab:red")
+        ax.text(0.5, -0.06, f"true: {truth}", fontsize=7, ha="center", va="top", transform=ax.transAxes)
+    _save(fig, path)
+
+
 def _save(fig, path) -> None:
     fig.tight_layout()
     tmp = f"{path}.tmp.png"

@@ -21,6 +21,7 @@ import torch
 from k3.config import K3Config
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 from k3.tokenizer import K3Tokenizer, train_bpe
+from k3.train import plots
 from k3.train.data import Batches, prepare_data, validation_batches
 from k3.train.shapes import all_captions, caption, render, scene_for
 from k3.vision.processor import K3Processor, process_image
@@ -200,7 +201,8 @@ class ShapesTask:
         return {"caption_accuracy": hits / len(self._held_out)}
 
     def report(self, model, directory: Path, n: int = 8) -> None:
-        """`examples/`: the first `n` held-out images as PNG and `captions.txt` (true vs greedy caption)."""
+        """`examples/`: the first `n` held-out images as PNG, `captions.txt` (true vs greedy caption) and
+        `examples.png` (the images with both captions)."""
         examples = Path(directory) / "examples"
         examples.mkdir(parents=True, exist_ok=True)
         chosen = self._held_out[:n]
@@ -211,6 +213,7 @@ class ShapesTask:
             lines.append(f"held_out_{i}.png  {img.size[0]}x{img.size[1]}  {'OK ' if guess == truth else 'BAD'}  "
                          f"true: {truth!r}  model: {guess!r}")
         (examples / "captions.txt").write_text("\n".join(lines) + "\n")
+        plots.plot_captions([img for img, _ in chosen], [t for _, t in chosen], predicted, examples / "examples.png")
 
     def state_dict(self) -> dict:
         return {"position": self.position}

@@ -96,7 +96,8 @@ def plot_captions(images, truths: list[str], predictions: list[str], path: str |
         ax.axis("off")
     for ax, image, truth, guess in zip(axes.flat, images, truths, predictions):
         ax.imshow(image)
-        ax.set_title(f"model: {guess}", fontsize=7, color="tab:green" if guess == truth else "tab:red")
+        shown = "".join(c if c.isprintable() else "?" for c in guess)  # an untrained model emits any bytes
+        ax.set_title(f"model: {shown}", fontsize=7, color="tab:green" if guess == truth else "tab:red")
         ax.text(0.5, -0.06, f"true: {truth}", fontsize=7, ha="center", va="top", transform=ax.transAxes)
     _save(fig, path)
 

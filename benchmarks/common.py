@@ -38,3 +38,12 @@ class CpuWait:
         if now_us is None or self.start_us is None:
             return "n/a"
         return f"{(now_us - self.start_us) / 1e6 / (time.perf_counter() - self.start_s):.0%}"
+
+
+def print_table(columns, rows, align):
+    """A markdown table; `align` has one letter per column, "r" for right-aligned numbers."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "|".join("---:" if a == "r" else "---" for a in align) + "|")
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |")
+    print(flush=True)

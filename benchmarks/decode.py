@@ -35,7 +35,7 @@ from k3.config import K3Config
 from k3.inference.cache import K3Cache, KDACache
 from k3.model.accounting import cache_sizes
 from k3.model.k3 import K3ForCausalLM
-from common import CpuWait, machine
+from common import CpuWait, machine, print_table
 
 PRESETS = ("k3-tiny", "k3-small")
 CONTEXTS = (1024, 8192, 32768, 65536)
@@ -178,14 +178,6 @@ def no_cache_forward(model, ids_BT, context):
         logits_BTV = model(ids_BT[:, : context + 1]).logits
         times.append(time.perf_counter() - start)
     return statistics.median(times), logits_BTV[0, -1]
-
-
-def print_table(columns, rows, align):
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "|".join("---:" if a == "r" else "---" for a in align) + "|")
-    for row in rows:
-        print("| " + " | ".join(map(str, row)) + " |")
-    print(flush=True)
 
 
 # --------------------------------------------------------------------------------------------- benchmark

@@ -64,7 +64,7 @@ from k3.optim.muon import block_views
 from k3.train.balance import QuantileBalancer
 from k3.train.tasks import TextTask
 from k3.train.trainer import TrainArgs, Trainer
-from common import CpuWait, machine
+from common import CpuWait, machine, print_table
 
 PRESETS = {"k3-tiny": (8, 256), "k3-small": (4, 256)}  # preset: (batch, sequence length)
 STEPS = {"k3-tiny": (2, 6, 3), "k3-small": (1, 5, 3)}  # preset: (warm-up, timed, profiled) steps
@@ -294,14 +294,6 @@ def idle_percent(seconds=2.0):
     except OSError:
         return None
     return 100 * (idle1 - idle0) / max(total1 - total0, 1)
-
-
-def print_table(columns, rows, align):
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "|".join("---:" if a == "r" else "---" for a in align) + "|")
-    for row in rows:
-        print("| " + " | ".join(map(str, row)) + " |")
-    print(flush=True)
 
 
 def bench_preset(name):

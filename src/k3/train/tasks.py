@@ -139,21 +139,12 @@ class ShapesTask:
         return {"prompts": prompts, "pixel_values": torch.cat([it.pixel_values for it in items]),
                 "grid_thws": torch.tensor([it.grid_thw for it in items])}
 
-    def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, T] ids (padded with `[PAD]` on the left) and attention mask of token lists."""
-        T = max(map(len, rows))
-        ids = torch.full((len(rows), T), self.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, row in enumerate(rows):
-            ids[b, T - len(row):], mask[b, T - len(row):] = torch.tensor(row), 1
-        return ids, mask
-
     def make_batch(self, examples) -> dict[str, torch.Tensor]:
         """Left-padded [B, T] ids, mask and labels (−100 except on the caption and its end token)."""
         media = self.encode_prompts([img for img, _ in examples])
         eos = self.tokenizer.eos_token_id
         targets = [self.tokenizer.encode(" " + text) + [eos] for _, text in examples]
-        ids, mask = self._left_pad([p + c for p, c in zip(media["prompts"], targets)])
+        ids, mask = self.processor.pad([p + c for p, c in zip(media["prompts"], targets)])
         labels = torch.full_like(ids, IGNORE_INDEX)
         for b, c in enumerate(targets):
             labels[b, ids.shape[1] - len(c):] = torch.tensor(c)
@@ -177,7 +168,7 @@ class ShapesTask:
     def captions(self, model, images, max_new_tokens: int = 16) -> list[str]:
         """Greedy captions of `images` (batched, left-padded prompts)."""
         media = self.encode_prompts(images)
-        ids, mask = self._left_pad(media["prompts"])
+        ids, mask = self.processor.pad(media["prompts"])
         T = ids.shape[1]
         device = next(model.parameters()).device
         out = model.generate(ids.to(device), max_new_tokens, media["pixel_values"].to(device),

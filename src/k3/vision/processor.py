@@ -516,7 +516,7 @@ class K3Processor:
                 items += new_items
             rows.append(row)
 
-        input_ids, attention_mask = self._pad(rows, padding_side)
+        input_ids, attention_mask = self.pad(rows, padding_side)
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
@@ -530,7 +530,8 @@ class K3Processor:
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
 
-    def _pad(self, rows: list[list[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def pad(self, rows: list[list[int]], side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T] ids padded with the tokenizer's pad token on `side`, and the attention mask (1 real, 0 pad)."""
         length = max(len(r) for r in rows)
         pad_id = self.tokenizer.pad_token_id
         if pad_id is None and any(len(r) < length for r in rows):

@@ -26,6 +26,11 @@ from k3.vision import MoonViT, PatchMergerProjector, check_grids, merge_patches
 IGNORE_INDEX = -100
 
 
+def _token_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """[B, T] long mask per input token: 1 real, 0 padding (all real without an attention mask)."""
+    return torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device).long()
+
+
 class MergeLayout:
     """Placement of a batch in the merged sequence (§9.9): occupancy 1 per text token and n_item per
     placeholder, merged position = cumsum − 1, rows of different merged length padded on the left so every row
@@ -96,7 +101,7 @@ class K3ForConditionalGeneration(nn.Module):
     def merged_attention_mask(self, input_ids: torch.LongTensor, grid_thws: torch.Tensor | None,
                               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[B, S] 1 at the real positions of the merged sequence `forward` builds (for token statistics)."""
-        mask_BT = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device).long()
+        mask_BT = _token_mask(input_ids, attention_mask)
         return self.layout(input_ids, grid_thws).expand(mask_BT, fill=0)
 
     def merge_inputs(self, input_ids: torch.LongTensor, features: list[torch.Tensor], layout: MergeLayout,
@@ -107,7 +112,7 @@ class K3ForConditionalGeneration(nn.Module):
         Returns (inputs_embeds, labels, attention_mask) in merged positions: labels are −100 at media features,
         padding and added left padding; the mask is None only when no row has padding.
         """
-        mask_BT = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device).long()
+        mask_BT = _token_mask(input_ids, attention_mask)
         text_embeds_BTC = self.language_model.model.embed_tokens(input_ids.masked_fill(layout.is_media_BT, 0))
         dtype = features[0].dtype if features else text_embeds_BTC.dtype  # text cast to the projector's dtype
         text_embeds_BTC = text_embeds_BTC.to(dtype) * mask_BT[..., None].to(dtype)  # padding embeddings zeroed

@@ -112,3 +112,15 @@ def randomize_parameters(model: nn.Module, seed: int = 0) -> nn.Module:
         if name.endswith("_res_proj"):
             module.weight.copy_(0.1 * randn_like(module.weight))
     return model
+
+
+@torch.no_grad()
+def spread_weights_(module: nn.Module, std: float = 0.15) -> nn.Module:
+    """In place, in parameter order: norm gains (names ending in `norm.weight`) 1 + 0.2·N, every other parameter
+    N(0, std²) — no symmetric defaults (spec §12.2)."""
+    for name, p in module.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1 + 0.2 * torch.randn_like(p))
+        else:
+            p.normal_(0, std)
+    return module

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from conformance import spread_weights_
 from k3.config import K3Config
 from k3.model.mla import GatedMLA
 
@@ -14,14 +15,7 @@ from k3.model.mla import GatedMLA
 def make_mla(config: K3Config, seed: int = 0) -> GatedMLA:
     """A GatedMLA with N(0, 0.15²) weights and random norm gains (no symmetric defaults, spec §12.2)."""
     torch.manual_seed(seed)
-    m = GatedMLA(config)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("layernorm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.15)
-    return m
+    return spread_weights_(GatedMLA(config))
 
 
 def mla_reference(m: GatedMLA, x: torch.Tensor, eps: float = 1e-6, scale: float | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conformance import spread_weights_
 from k3.model.moe import MoEGate, StableLatentMoE
 
 D, E, K, L, M = 64, 8, 2, 48, 20  # §12.2: hidden, experts, top-k, latent, expert width
@@ -13,13 +14,8 @@ D, E, K, L, M = 64, 8, 2, 48, 20  # §12.2: hidden, experts, top-k, latent, expe
 def make_moe(config, seed: int = 0, bias_std: float = 0.1) -> StableLatentMoE:
     """A MoE layer with N(0, 0.15²) weights, random latent-norm gain and router bias (spec §12.2)."""
     torch.manual_seed(seed)
-    moe = StableLatentMoE(config)
+    moe = spread_weights_(StableLatentMoE(config))
     with torch.no_grad():
-        for name, p in moe.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.15)
         moe.gate.e_score_correction_bias.copy_(bias_std * torch.randn(config.num_experts))
     return moe
 

@@ -208,7 +208,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"validation loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} nats/token"
           f"{reference} after {summary['step']} steps")
     if summary["caption_accuracy"] is not None:
-        print(f"caption exact match on {args.eval_images or 128} held-out images: "
+        print(f"caption exact match on {summary['eval_images']} held-out images: "
               f"{100 * summary['caption_accuracy']:.1f} % (chance {100 * summary['chance_accuracy']:.2f} %)")
     print(f"checkpoint: {summary['checkpoint']}")
     if summary["model_dir"]:

@@ -102,7 +102,10 @@ class K3Config:
         """Id of `<|media_pad|>`, the one-per-item placeholder expanded to image features (spec §9.9)."""
         if self.multimodal is None:
             return None
-        return self.multimodal.get("media_placeholder_token_id", self.vision_config.media_placeholder_token_id)
+        if "media_placeholder_token_id" in self.multimodal:
+            return self.multimodal["media_placeholder_token_id"]
+        vision = self.vision_config  # the top level omits it: the vision_config's copy, if any
+        return None if vision is None else vision.media_placeholder_token_id
 
     # ----------------------------------------------------------------------------------- schedule
     def is_kda_layer(self, i: int) -> bool:

@@ -111,7 +111,7 @@ class ShapesTask:
                  tokenizer: K3Tokenizer | None = None):
         if config.vision_config is None:
             raise ValueError("--task shapes needs a multimodal preset with a vision_config (e.g. k3-tiny-vl)")
-        self.batch_size, self.seed, self.eval_images, self.position = batch_size, seed, eval_images, 0
+        self.batch_size, self.seed, self.position = batch_size, seed, 0
         self.tokenizer = tokenizer or shapes_tokenizer(config.vocab_size)
         if self.tokenizer.media_pad_token_id != config.media_placeholder_token_id:
             raise ValueError(f"the shapes tokenizer puts <|media_pad|> at {self.tokenizer.media_pad_token_id} but "

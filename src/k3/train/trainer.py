@@ -293,7 +293,7 @@ class Trainer:
         last_eval = next(m for m in reversed(self.history) if "val_loss" in m)
         return {"task": self.task.name, "step": self.step, "total_steps": self.total_steps, "finished": finished,
                 "initial_val_loss": initial_val, "final_val_loss": last_eval["val_loss"],
-                "reference_loss": self.task.reference, "caption_accuracy": last_eval.get("caption_accuracy"),
+                "reference_loss": self.task.reference, "caption_accuracy": last_eval.get("caption_accuracy"), "eval_images": self.args.eval_images,
                 "chance_accuracy": getattr(self.task, "chance", None),
                 "model_dir": str(self.export()) if finished else None, "checkpoint": str(latest_checkpoint(self.out))}
 

@@ -21,7 +21,7 @@ from k3.config import K3Config
 from k3.inference.cache import K3Cache
 from k3.inference.generate import generate as generate_tokens
 from k3.model.k3 import CausalLMOutput, K3ForCausalLM, dense_checkpoint_config
-from k3.vision import MoonViT, PatchMergerProjector, check_grids, merge_patches
+from k3.vision import MoonViT, PatchMergerProjector, merge_patches
 
 IGNORE_INDEX = -100
 
@@ -87,8 +87,9 @@ class K3ForConditionalGeneration(nn.Module):
     # ------------------------------------------------------------------------------------------- media
     def encode_media(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> list[torch.Tensor]:
         """Projected features of each media item, [(h/2)(w/2), C] per item, in `grid_thws` order (§9.1)."""
-        grids = check_grids(grid_thws, pixel_values.shape[0], self.vision_config)
-        features_MC = self.mm_projector(merge_patches(self.vision_tower(pixel_values, grids), grids))
+        patches_ND = self.vision_tower(pixel_values, grid_thws)  # validates pixel_values and grid_thws
+        grids = [tuple(g) for g in torch.as_tensor(grid_thws).tolist()]
+        features_MC = self.mm_projector(merge_patches(patches_ND, grids))
         return list(features_MC.split([(h // 2) * (w // 2) for _, h, w in grids]))
 
     def layout(self, input_ids: torch.LongTensor, grid_thws: torch.Tensor | None) -> MergeLayout:

@@ -32,7 +32,7 @@ import time
 import torch
 
 from k3.config import K3Config
-from k3.inference.cache import K3Cache, KDACache
+from k3.model.cache import K3Cache, KDACache
 from k3.model.accounting import cache_sizes
 from k3.model.k3 import K3ForCausalLM
 from common import CpuWait, machine, print_table

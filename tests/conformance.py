@@ -94,7 +94,7 @@ def randomize_parameters(model: nn.Module, seed: int = 0) -> nn.Module:
     """
     from k3.model.kda import KimiDeltaAttention
     from k3.model.moe import MoEGate
-    from k3.model.norm import RMSNorm
+    from k3.ops.norm import RMSNorm
 
     gen = torch.Generator().manual_seed(seed)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from k3.cli import main
+from k3.inference import generate
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
 from k3.model.accounting import count_parameters
@@ -110,7 +111,7 @@ def test_generate_streams_the_greedy_continuation(checkpoint, capsys):
                  "--temperature", "0"]) == 0
     out = capsys.readouterr().out
     ids = torch.tensor([tokenizer.encode("the quick")])
-    expected = model.generate(ids, 12, temperature=0, eos_token_id=[tokenizer.eos_token_id, tokenizer.eod_token_id])
+    expected = generate(model, ids, 12, temperature=0, eos_token_id=[tokenizer.eos_token_id, tokenizer.eod_token_id])
     assert out == "the quick" + tokenizer.decode(expected[0, ids.shape[1]:].tolist()) + "\n"
 
 

@@ -15,6 +15,7 @@ import sys
 import torch
 
 from k3.config import PRESETS, K3Config
+from k3.inference import generate
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 from k3.model.accounting import cache_sizes, count_parameters, forward_flops_per_token
 from k3.tokenizer import K3Tokenizer
@@ -186,9 +187,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = torch.tensor([tokenizer.encode(args.prompt)])
     stops = [t for t in (tokenizer.eos_token_id, tokenizer.eod_token_id) if t is not None]
     print(args.prompt, end="", flush=True)
-    model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   eos_token_id=stops or None, seed=args.seed, streamer=TextStreamer(tokenizer, skip_ids=stops),
-                   **media)
+    generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+             eos_token_id=stops or None, seed=args.seed, streamer=TextStreamer(tokenizer, skip_ids=stops), **media)
     return 0
 
 

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from k3.ops.loss import IGNORE_INDEX
+
 def k3_full_attn_layers(num_hidden_layers: int) -> list[int]:
     """1-based MLA layer list of the K3 schedule (spec §1.4): every 4th layer plus the final layer."""
     layers = [i for i in range(4, num_hidden_layers + 1, 4)]
@@ -410,7 +412,7 @@ def multimodal_top_level(vision: K3VisionConfig, media_placeholder_token_id: int
     """The top level of a multimodal `config.json` around `text_config` (spec §1.2)."""
     return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
             "vision_config": vision.to_dict(), "media_placeholder_token_id": media_placeholder_token_id,
-            "ignore_index": -100, "tie_word_embeddings": False}
+            "ignore_index": IGNORE_INDEX, "tie_word_embeddings": False}
 
 
 _LAC_TO_FIELD = {

@@ -14,7 +14,7 @@ import torch
 
 import k3.model.kda as kda_module
 from k3.config import K3Config
-from k3.inference.cache import KDACache, MLACache, step_context
+from k3.model.cache import KDACache, MLACache, step_context
 from k3.model import K3ForCausalLM
 from k3.model.mla import GatedMLA, attention_mask
 from conformance import ids_for

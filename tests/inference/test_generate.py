@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from k3.config import K3Config
-from k3.inference.generate import sample_next_token
+from k3.inference import generate, sample_next_token
 from k3.model import K3ForCausalLM
 
 VOCAB = 4096  # k3-tiny
@@ -43,20 +43,20 @@ def drawn_ids(probs: list[float], n: int = 4000, **kwargs) -> torch.LongTensor:
 # ------------------------------------------------------------------------------------------------- greedy/cache
 def test_greedy_equals_full_recompute_without_cache(model):
     x = prompts(2, 7)
-    out = model.generate(x, 20, temperature=0)
+    out = generate(model, x, 20, temperature=0)
     assert out.shape == (2, 27) and out.dtype == torch.long
     assert torch.equal(out, greedy_without_cache(model, x, 20))
 
 
 def test_zero_new_tokens_returns_the_prompt(model):
     x = prompts(2, 5)
-    assert torch.equal(model.generate(x, 0), x)
+    assert torch.equal(generate(model, x, 0), x)
 
 
 def test_training_flag_and_autograd_untouched(model):
     model.train()
     try:
-        out = model.generate(prompts(1, 4), 2, temperature=0)
+        out = generate(model, prompts(1, 4), 2, temperature=0)
         assert model.training and not out.requires_grad and torch.is_grad_enabled()
     finally:
         model.eval()
@@ -66,9 +66,9 @@ def test_training_flag_and_autograd_untouched(model):
 def test_seed_reproducible_distinct_and_leaves_global_rng_alone(model):
     x = prompts(2, 6)
     rng_before = torch.get_rng_state()
-    a = model.generate(x, 30, temperature=1.0, seed=123)
-    b = model.generate(x, 30, temperature=1.0, seed=123)
-    c = model.generate(x, 30, temperature=1.0, seed=124)
+    a = generate(model, x, 30, temperature=1.0, seed=123)
+    b = generate(model, x, 30, temperature=1.0, seed=123)
+    c = generate(model, x, 30, temperature=1.0, seed=124)
     assert torch.equal(torch.get_rng_state(), rng_before)
     assert torch.equal(a, b)
     assert not torch.equal(a[:, 6:], c[:, 6:])
@@ -77,17 +77,17 @@ def test_seed_reproducible_distinct_and_leaves_global_rng_alone(model):
 def test_no_seed_uses_the_global_generator(model):
     x = prompts(1, 6)
     torch.manual_seed(7)
-    a = model.generate(x, 10)
+    a = generate(model, x, 10)
     torch.manual_seed(7)
-    assert torch.equal(a, model.generate(x, 10))
+    assert torch.equal(a, generate(model, x, 10))
 
 
 # ------------------------------------------------------------------------------------------------- filters
 def test_top_k_1_and_tiny_top_p_equal_greedy(model):
     x = prompts(2, 7)
-    greedy = model.generate(x, 12, temperature=0)
-    assert torch.equal(model.generate(x, 12, temperature=1.0, top_k=1, seed=0), greedy)
-    assert torch.equal(model.generate(x, 12, temperature=1.0, top_p=1e-6, seed=0), greedy)
+    greedy = generate(model, x, 12, temperature=0)
+    assert torch.equal(generate(model, x, 12, temperature=1.0, top_k=1, seed=0), greedy)
+    assert torch.equal(generate(model, x, 12, temperature=1.0, top_p=1e-6, seed=0), greedy)
 
 
 def test_sample_next_token_greedy_is_argmax():
@@ -118,18 +118,18 @@ def test_sample_next_token_renormalises_and_applies_temperature():
 # ------------------------------------------------------------------------------------------------- EOS
 def test_eos_finishes_rows_and_stops_early(model):
     x, T, n = prompts(2, 7), 7, 20
-    greedy = model.generate(x, n, temperature=0)[:, T:]
+    greedy = generate(model, x, n, temperature=0)[:, T:]
     eos0 = int(greedy[0, 3])  # row 0's step-3 token: new for row 0 there, never emitted by row 1
     assert eos0 not in greedy[0, :3].tolist() and eos0 not in greedy[1].tolist()
 
-    out = model.generate(x, n, temperature=0, eos_token_id=eos0)[:, T:]
+    out = generate(model, x, n, temperature=0, eos_token_id=eos0)[:, T:]
     assert out.shape == (2, n)
     assert torch.equal(out[0, :4], greedy[0, :4]) and (out[0, 4:] == eos0).all()
     assert torch.equal(out[1], greedy[1])
 
     eos1 = int(greedy[1, 9])  # row 1 first emits it at step 9, row 0 is already done then
     assert eos1 not in greedy[1, :9].tolist() and eos1 not in greedy[0, :4].tolist()
-    early = model.generate(x, n, temperature=0, eos_token_id=[eos0, eos1])[:, T:]
+    early = generate(model, x, n, temperature=0, eos_token_id=[eos0, eos1])[:, T:]
     assert early.shape == (2, 10)
     assert torch.equal(early[1], greedy[1, :10])
     assert torch.equal(early[0, :4], greedy[0, :4]) and (early[0, 4:] == eos0).all()  # padded with the first id
@@ -152,16 +152,16 @@ class RecordingStreamer:
 def test_streamer_callable_and_put_end_forms(model):
     x = prompts(2, 5)
     received: list[torch.Tensor] = []
-    out = model.generate(x, 8, seed=3, streamer=lambda t: received.append(t.clone()))
+    out = generate(model, x, 8, seed=3, streamer=lambda t: received.append(t.clone()))
     assert all(t.shape == (2,) and t.dtype == torch.long for t in received)
     assert torch.equal(torch.stack(received, dim=1), out[:, 5:])
 
     streamer = RecordingStreamer()
-    out = model.generate(x, 8, seed=3, streamer=streamer)
+    out = generate(model, x, 8, seed=3, streamer=streamer)
     assert streamer.ended == 1 and torch.equal(torch.stack(streamer.tokens, dim=1), out[:, 5:])
 
     streamer = RecordingStreamer()
-    model.generate(x, 0, streamer=streamer)
+    generate(model, x, 0, streamer=streamer)
     assert streamer.tokens == [] and streamer.ended == 1
 
 
@@ -172,9 +172,9 @@ def test_left_padded_batch_equals_each_prompt_alone(model):
     batch = torch.cat([torch.cat([pad, short], dim=1), long])
     mask = torch.ones_like(batch)
     mask[0, :5] = 0
-    out = model.generate(batch, 12, temperature=0, attention_mask=mask)
-    assert torch.equal(out[0, 9:], model.generate(short, 12, temperature=0)[0, 4:])
-    assert torch.equal(out[1], model.generate(long, 12, temperature=0)[0])
+    out = generate(model, batch, 12, temperature=0, attention_mask=mask)
+    assert torch.equal(out[0, 9:], generate(model, short, 12, temperature=0)[0, 4:])
+    assert torch.equal(out[1], generate(model, long, 12, temperature=0)[0])
 
 
 # ------------------------------------------------------------------------------------------------- validation
@@ -199,7 +199,7 @@ def test_left_padded_batch_equals_each_prompt_alone(model):
 def test_invalid_arguments_are_named(model, kwargs, name):
     args = dict(input_ids=prompts(2, 4), max_new_tokens=3) | kwargs
     with pytest.raises(ValueError, match=name):
-        model.generate(**args)
+        generate(model, **args)
 
 
 def test_sample_next_token_validates():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from k3.config import K3Config
-from k3.inference.cache import MLACache
+from k3.model.cache import MLACache
 from k3.model import K3ForCausalLM
 from conformance import ids_for
 

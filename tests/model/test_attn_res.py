@@ -8,7 +8,7 @@ from torch import nn
 import k3.model.k3 as k3_module
 from k3.model import K3ForCausalLM
 from k3.model.attn_res import attn_res_mix
-from k3.model.norm import RMSNorm
+from k3.ops.norm import RMSNorm
 
 D = 64
 

@@ -12,7 +12,7 @@ from k3.model.ffn import SiTUMLP
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import StableLatentMoE
-from k3.model.norm import RMSNorm
+from k3.ops.norm import RMSNorm
 from conformance import ids_for
 
 FP32_PINNED = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight",

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from conformance import MEDIA_PAD, build_tiny_vl_config, random_media, randomize_parameters
 from k3.config import K3Config
+from k3.inference import generate
 from k3.model import K3ForConditionalGeneration
 from k3.model.accounting import count_parameters
 
@@ -87,7 +88,7 @@ def test_prefill_with_images_then_decode_equals_full_forward(vl):
 
 def test_generate_greedy_matches_argmax_loop(vl):
     ids, pixels, grids = batch()
-    out = vl.generate(ids, 4, pixels, grids, temperature=0)
+    out = generate(vl, ids, 4, pixel_values=pixels, grid_thws=grids, temperature=0)
     seq = ids
     for _ in range(4):
         logits = vl(seq, pixels, grids).logits[:, -1]

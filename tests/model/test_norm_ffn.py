@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.model.ffn import SiTUMLP, glu_activation, situ_glu
-from k3.model.norm import RMSNorm, l2_normalize, rms_normalize
+from k3.model.ffn import SiTUMLP, glu_activation
+from k3.ops.activation import situ_glu
+from k3.ops.norm import RMSNorm, l2_normalize, rms_normalize
 
 
 def a_ref(g: torch.Tensor, b1: float = 4.0) -> torch.Tensor:

@@ -12,18 +12,27 @@ import torch.multiprocessing as mp
 
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
+from k3.model.cache import StepContext
 from k3.model.moe import MoEGate
+from k3.model.observer import ForwardObserver, Observable
 from k3.train.balance import QuantileBalancer, exact_quantile, histogram_quantile, margin_histogram
 
 E, K, D, N = 64, 4, 32, 8192  # spec §7.5 synthetic router: 64 experts, top-4, M = 8192 tokens
 WIDTH = 4 / 1024  # default bin width over [−2, 2]
 
 
+class ObservedGate(Observable, MoEGate):
+    """A bare router whose training-mode forwards call the attached observers, as inside a `K3Model`."""
+
+    def forward(self, x_ND: torch.Tensor, ctx: StepContext | None = None):
+        return super().forward(x_ND, StepContext(observers=tuple(self.observers)) if self.training else ctx)
+
+
 def skewed_gate(skew: float = 2.0, seed: int = 0) -> MoEGate:
     """A real MoEGate whose experts get a logit offset rising linearly from −skew to +skew through the constant
     input feature 0 (see `tokens`): MaxVio ≈ 3 with a zero bias."""
     gen = torch.Generator().manual_seed(seed)
-    gate = MoEGate(K3Config.from_preset("k3-tiny", num_experts=E, num_experts_per_token=K, hidden_size=D))
+    gate = ObservedGate(K3Config.from_preset("k3-tiny", num_experts=E, num_experts_per_token=K, hidden_size=D))
     with torch.no_grad():
         gate.weight.copy_(0.3 * torch.randn(E, D, generator=gen))
         gate.weight[:, 0] = skew * torch.linspace(-1, 1, E)
@@ -48,14 +57,14 @@ def run_steps(gate: MoEGate, balancer: QuantileBalancer, steps: int) -> list[flo
 
 
 def record_routing_bias(gate: MoEGate) -> list[torch.Tensor]:
-    """Wrap the balancer's observer to record the bias installed while each forward routes."""
-    seen, observe = [], gate.observer
+    """An extra observer that records the bias installed while each forward routes."""
+    seen = []
 
-    def recording(scores_NE, choice_NE, idx_Nk):
-        seen.append(gate.e_score_correction_bias.clone())
-        observe(scores_NE, choice_NE, idx_Nk)
+    class Recorder(ForwardObserver):
+        def on_routing(self, gate, scores_NE, choice_NE, idx_Nk):
+            seen.append(gate.e_score_correction_bias.clone())
 
-    gate.observer = recording
+    gate.add_observer(Recorder())
     return seen
 
 
@@ -126,7 +135,7 @@ def test_exact_step_follows_the_spec_token_by_token():
     """qb_exact against spec §7.2 written out with loops in float64: α_i = (k+1)-th largest of s_i + b,
     μ_ij = s_ij − α_i, θ_j = (⌊Mk/E⌋+1)-th largest of μ_{:,j}, b = −θ − mean(−θ)."""
     config = K3Config.from_preset("k3-tiny", num_experts=8, num_experts_per_token=2, hidden_size=D)
-    gate = MoEGate(config)
+    gate = ObservedGate(config)
     torch.nn.init.normal_(gate.weight, std=0.5)
     gate.e_score_correction_bias.copy_(0.1 * torch.randn(8, generator=torch.Generator().manual_seed(2)))
     x_ND = tokens(0, n=37)
@@ -176,7 +185,7 @@ def test_bias_never_changes_weights_or_gradients():
     sets the gradients w.r.t. the router weight are equal; the bias gets no gradient."""
     config = K3Config.from_preset("k3-tiny", num_experts=E, num_experts_per_token=K, hidden_size=D,
                                   routed_scaling_factor=2.5)
-    gate = MoEGate(config)
+    gate = ObservedGate(config)
     torch.nn.init.normal_(gate.weight, std=0.3)
     balancer = QuantileBalancer(gate)
     x_ND = tokens(0, n=256)
@@ -209,7 +218,7 @@ def test_bias_never_changes_weights_or_gradients():
     assert "e_score_correction_bias" not in dict(gate.named_parameters())
 
     balancer.detach()
-    assert gate.observer is None
+    assert gate.observers == []
     idx3_Nk, w3_Nk, grad3 = route(b1_E)  # the observer changed nothing
     assert torch.equal(idx3_Nk, idx1_Nk) and torch.equal(w3_Nk, w1_Nk) and torch.equal(grad3, grad1)
 
@@ -304,7 +313,7 @@ def test_full_k3_tiny_model():
         assert m.bias_range == pytest.approx(float(bias.max() - bias.min()))
         assert gate.e_score_correction_bias.grad is None
     balancer.detach()
-    assert all(model.get_submodule(n).observer is None for n in names)
+    assert model.model.observers == []
 
 
 # -------------------------------------------------------------------------------------- distributed

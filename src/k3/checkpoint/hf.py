@@ -23,19 +23,11 @@ import torch
 from torch import Tensor
 
 from k3.checkpoint.mxfp4 import GROUP_SIZE, decode_mxfp4
+from k3.ops.precision import is_fp32_tensor
 
 LANGUAGE_MODEL_PREFIX = "language_model."
 NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")
 A_LOG_PAD_MULTIPLE = 128
-
-FP32_SUFFIXES = (
-    ".self_attn.A_log",
-    ".self_attn.dt_bias",
-    "_conv1d.weight",
-    ".self_attn.o_norm.weight",
-    ".e_score_correction_bias",
-)
-"""Tensors kept in fp32 whatever the stored or requested dtype (§0.4, §11.1). Only KDA has ``self_attn.o_norm``."""
 
 MXFP4_DECODE_DTYPE = torch.bfloat16
 """Dtype of decoded MXFP4 experts when the caller asks for none; every FP4 x E8M0 value is exact in bf16."""
@@ -60,11 +52,6 @@ class LazyTensor(Protocol):
 StoredTensor = Union[Tensor, LazyTensor]
 ExpectedShape = Union[Tensor, torch.Size, Sequence[int]]
 Loader = Callable[[], Tensor]
-
-
-def is_fp32_tensor(name: str) -> bool:
-    """Whether ``name`` (internal or official) belongs to the always-fp32 set of §0.4."""
-    return name.endswith(FP32_SUFFIXES)
 
 
 def padded_a_log_length(num_kda_heads: int) -> int:

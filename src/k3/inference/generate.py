@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:  # k3.model imports k3.inference.cache: a runtime import here would be circular
-    from k3.model.k3 import K3ForCausalLM
-    from k3.model.multimodal import K3ForConditionalGeneration
+from k3.model import K3ForCausalLM, K3ForConditionalGeneration
+
+FIRST_CACHE_TOKENS = 256
+"""Generated positions the cache is first sized for beyond the prompt; it grows by doubling on demand, so memory
+follows the tokens really generated, not `max_new_tokens`."""
 
 
 def _check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -100,17 +102,16 @@ def _stream(streamer: Any, tokens_B: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch.LongTensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None,
+def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch.LongTensor, max_new_tokens: int,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | Sequence[int] | None = None, attention_mask: torch.Tensor | None = None,
-             seed: int | None = None,
-             streamer: Callable[[torch.LongTensor], Any] | Any | None = None,
-             prefill_inputs: dict[str, Any] | None = None,
-             suppress_token_ids: Sequence[int] = ()) -> torch.LongTensor:
+             seed: int | None = None, streamer: Callable[[torch.LongTensor], Any] | Any | None = None,
+             pixel_values: torch.Tensor | None = None, grid_thws: torch.Tensor | None = None) -> torch.LongTensor:
     """Continue each prompt of `input_ids` [B, T] by up to `max_new_tokens`; returns [B, T + n], n ≤ max_new_tokens.
 
     The prompt is prefilled in one call on a fresh cache, then one token per step is decoded with the cache.
-    Runs under `torch.no_grad()`; the module's training flag is not touched (K3 has no dropout).
+    Runs under `torch.no_grad()`; the module's training flag is not touched (K3 has no dropout). The arguments
+    are checked once here; the decode steps feed the model ids it produced itself, unchecked.
 
     * `temperature`, `top_k`, `top_p`: see `sample_next_token` (temperature 0 = greedy).
     * `eos_token_id` (int or list of ints): a row that emits one is finished; its later positions hold the
@@ -120,28 +121,32 @@ def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch
       untouched). None: torch's default generator.
     * `streamer`: receives each step's new tokens as a LongTensor [B] (eos padding of finished rows included),
       via `streamer.put(tokens)` when it has `put` (then `streamer.end()` once at the end), else `streamer(tokens)`.
-    * `prefill_inputs`: extra keyword arguments of the prefill call only (a multimodal prompt's `pixel_values`
-      and `grid_thws`).
-    * `suppress_token_ids`: ids never sampled (a multimodal model's media placeholder: no media follow it).
+    * `pixel_values`, `grid_thws` (a `K3ForConditionalGeneration` only): the prompt's media, encoded in the
+      prefill. A multimodal model never samples its media placeholder (no media could follow it).
     """
     _check_sampling_args(temperature, top_k, top_p)
     _check_generate_args(model, input_ids, max_new_tokens, attention_mask, seed)
+    prefill_inputs, suppress_ids = {}, []
+    if isinstance(model, K3ForConditionalGeneration):
+        prefill_inputs = {"pixel_values": pixel_values, "grid_thws": grid_thws}
+        suppress_ids = [model.media_placeholder_token_id]
+    elif pixel_values is not None or grid_thws is not None:
+        raise ValueError("pixel_values/grid_thws need a K3ForConditionalGeneration (this is a text-only model)")
     eos = None if eos_token_id is None else _eos_ids(eos_token_id, model.config.vocab_size)
     B, T = input_ids.shape
     device = input_ids.device
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     eos_tensor = None if eos is None else torch.tensor(eos, device=device)
+    suppress = torch.tensor(suppress_ids, dtype=torch.long, device=device)
     finished_B = torch.zeros(B, dtype=torch.bool, device=device)
 
     new_tokens: list[torch.Tensor] = []
     if max_new_tokens > 0:
-        cache = model.make_cache(B, capacity=T + max_new_tokens)
-        logits_BV = model(input_ids, cache=cache, attention_mask=attention_mask,
-                          **(prefill_inputs or {})).logits[:, -1]
+        cache = model.make_cache(B, capacity=T + min(max_new_tokens, FIRST_CACHE_TOKENS))
+        logits_BV = model(input_ids, cache=cache, attention_mask=attention_mask, **prefill_inputs).logits[:, -1]
         for step in range(max_new_tokens):
-            if suppress_token_ids:
-                logits_BV = logits_BV.index_fill(-1, torch.tensor(list(suppress_token_ids), device=device),
-                                                 -math.inf)
+            if suppress.numel():
+                logits_BV = logits_BV.index_fill(-1, suppress, -math.inf)
             next_B = sample_next_token(logits_BV, temperature, top_k, top_p, generator)
             if eos_tensor is not None:
                 next_B = next_B.masked_fill(finished_B, eos[0])
@@ -152,7 +157,7 @@ def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch
             if step == max_new_tokens - 1 or bool(finished_B.all()):
                 break
             # the cache keeps the prompt's padding mask; a new token is always real, so no mask is needed
-            logits_BV = model(next_B[:, None], cache=cache).logits[:, -1]
+            logits_BV = model(next_B[:, None], cache=cache, validate=False).logits[:, -1]
     if streamer is not None and hasattr(streamer, "put"):
         streamer.end()
     return torch.cat([input_ids.long(), *(t[:, None] for t in new_tokens)], dim=1)

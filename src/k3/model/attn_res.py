@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3.model.norm import RMSNorm, rms_normalize
-from k3.model.precision import fp32
+from k3.ops.norm import RMSNorm, rms_normalize
+from k3.ops.precision import fp32
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:

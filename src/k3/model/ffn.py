@@ -1,4 +1,4 @@
-"""SiTU-GLU and the SiTU MLP used by the dense layer 0 and the shared experts (spec §6.1, §6.2, §6.5)."""
+"""The configured gated activation and the SiTU MLP used by the dense layer 0 and the shared experts (spec §6.1, §6.2, §6.5)."""
 
 from __future__ import annotations
 
@@ -7,19 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.precision import fp32
-
-
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float | None) -> torch.Tensor:
-    """SiTU-GLU(g, u) = β₁·tanh(g/β₁)·σ(g) · β₂·tanh(u/β₂), in fp32, cast back (spec §6.1).
-
-    β₂ = None leaves the up branch uncapped. Inputs are pre-activations in the activation dtype.
-    """
-    g, u = fp32(gate), fp32(up)
-    a = beta1 * torch.tanh(g / beta1) * torch.sigmoid(g)
-    if beta2 is not None:
-        u = beta2 * torch.tanh(u / beta2)
-    return (a * u).to(gate.dtype)
+from k3.ops.activation import situ_glu
 
 
 def glu_activation(config: K3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

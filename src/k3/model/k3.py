@@ -6,60 +6,29 @@ Shape legend: B batch, T time, D hidden, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from k3.checkpoint import is_fp32_tensor, load_checkpoint_state, save_checkpoint_state
 from k3.config import K3Config
-from k3.inference.cache import K3Cache, KDACache, MLACache, StepContext, step_context
-from k3.inference.generate import generate as generate_tokens
 from k3.model.attn_res import attn_res_mix
+from k3.model.cache import K3Cache, KDACache, MLACache, StepContext, step_context
 from k3.model.ffn import SiTUMLP
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import MoEGate, RoutedExperts, StableLatentMoE
-from k3.model.norm import RMSNorm
-from k3.model.precision import fp32
-
-
-_recomputing = False
-
-
-def is_recomputing() -> bool:
-    """True while activation checkpointing re-runs a layer's forward during backward: training statistics
-    (load balancing, QK-Clip logits) must not count those tokens twice."""
-    return _recomputing
-
-
-@contextlib.contextmanager
-def _recompute():
-    global _recomputing
-    _recomputing = True
-    try:
-        yield
-    finally:
-        _recomputing = False
+from k3.model.observer import Observable
+from k3.model.pretrained import PretrainedMixin
+from k3.ops.loss import IGNORE_INDEX, check_labels, next_token_loss
+from k3.ops.norm import RMSNorm
 
 
 @dataclass
 class CausalLMOutput:
     logits: torch.Tensor  # [B, T, V]
-    loss: torch.Tensor | None = None  # mean fp32 next-token cross-entropy over labels != -100
-
-
-def dense_checkpoint_config(config: K3Config) -> K3Config:
-    """The config to save beside dense (not MXFP4) routed experts: `quantization_config` removed."""
-    if "quantization_config" not in config.extra and "quantization_config" not in (config.multimodal or {}):
-        return config
-    return config.replace(
-        extra={k: v for k, v in config.extra.items() if k != "quantization_config"},
-        multimodal=None if config.multimodal is None else
-        {k: v for k, v in config.multimodal.items() if k != "quantization_config"})
+    loss: torch.Tensor | None = None  # mean fp32 next-token cross-entropy over labels != IGNORE_INDEX
 
 
 class K3DecoderLayer(nn.Module):
@@ -83,14 +52,15 @@ class K3DecoderLayer(nn.Module):
         self.mlp_res_norm = RMSNorm(D, eps)
         self.mlp_res_proj = nn.Linear(D, 1, bias=False)
 
-    def ffn(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.mlp(x_BTD) if hasattr(self, "mlp") else self.block_sparse_moe(x_BTD)
+    def ffn(self, x_BTD: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
+        return self.mlp(x_BTD) if hasattr(self, "mlp") else self.block_sparse_moe(x_BTD, ctx)
 
     def forward(self, cur_BTD: torch.Tensor, bank: list[torch.Tensor], cache: KDACache | MLACache | None = None,
                 ctx: StepContext | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One step of spec §5.3. `cur` is the running partial sum of the current block (the embedding before
         layer 0); `bank` the completed sources [b₀ = embedding, b₁, …]. Returns the new (cur, bank).
-        `cache`/`ctx` reach the sequence mixer only: AttnRes and the FFN are per token."""
+        `cache` reaches the sequence mixer only (AttnRes and the FFN are per token); `ctx` also carries the
+        call's training observers to the router."""
         prefix = cur_BTD
         h_BTD = attn_res_mix(bank + [prefix], self.self_attention_res_norm, self.self_attention_res_proj) \
             if bank else prefix
@@ -99,11 +69,12 @@ class K3DecoderLayer(nn.Module):
         a_BTD = self.self_attn(self.input_layernorm(h_BTD), cache, ctx)
         prefix = a_BTD if prefix is None else prefix + a_BTD
         h_BTD = attn_res_mix(bank + [prefix], self.mlp_res_norm, self.mlp_res_proj)
-        return prefix + self.ffn(self.post_attention_layernorm(h_BTD)), bank
+        return prefix + self.ffn(self.post_attention_layernorm(h_BTD), ctx), bank
 
 
-class K3Model(nn.Module):
-    """Embedding → decoder layers → output AttnRes mix → final norm (module `model`)."""
+class K3Model(Observable, nn.Module):
+    """Embedding → decoder layers → output AttnRes mix → final norm (module `model`). Training observers
+    (`add_observer`, see `k3.model.observer`) are called from its training-mode forwards."""
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -124,12 +95,14 @@ class K3Model(nn.Module):
         cur_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = cur_BTD.shape[:2]
         ctx = step_context(cache, B, T, attention_mask, cur_BTD.device, document_ids)
+        if self.training:
+            ctx.observers = tuple(self.observers)
         bank = []
         recompute = self.gradient_checkpointing and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            if recompute:
+            if recompute:  # the recomputation in backward must not be observed a second time
                 cur_BTD, bank = checkpoint(layer, cur_BTD, bank, None, ctx, use_reentrant=False,
-                                           context_fn=lambda: (contextlib.nullcontext(), _recompute()))
+                                           context_fn=lambda: (contextlib.nullcontext(), ctx.muted()))
             else:
                 cur_BTD, bank = layer(cur_BTD, bank, None if cache is None else cache.layers[i], ctx)
         if cache is not None:
@@ -138,7 +111,7 @@ class K3Model(nn.Module):
         return self.norm(out_BTD)
 
 
-class K3ForCausalLM(nn.Module):
+class K3ForCausalLM(PretrainedMixin, nn.Module):
     """K3 text model with an untied `lm_head` and the shifted next-token loss."""
 
     def __init__(self, config: K3Config):
@@ -190,71 +163,45 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.LongTensor | None = None, labels: torch.LongTensor | None = None,
                 cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> CausalLMOutput:
+                document_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                validate: bool = True) -> CausalLMOutput:
         """`labels` follow the HF convention: same shape as `input_ids`, shifted inside so position t predicts
-        token t+1; -100 is ignored. The loss is computed in fp32.
+        token t+1; IGNORE_INDEX (-100) is ignored. The loss is computed in fp32 (0, with a warning, when no
+        label is scored).
 
         With `cache` (from `make_cache`), the call consumes the new tokens, appends them to the cache and returns
         their logits only. `attention_mask` (1 real, 0 padding; left padding) is [B, past + new] or [B, new].
         `document_ids` [B, T] packs several documents per row: nothing crosses a boundary (KDA state and conv
         window restart, MLA attention stays inside the document, no loss on the next document's first token).
-        `inputs_embeds` [B, T, D] may replace `input_ids` (exactly one of the two)."""
+        `inputs_embeds` [B, T, D] may replace `input_ids` (exactly one of the two). `validate=False` skips the
+        checks of `input_ids` and `labels` (callers that produced them themselves, e.g. a decode loop)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
+        if validate:
+            self.check_inputs(input_ids, inputs_embeds, labels)
+        logits_BTV = self.lm_head(self.model(input_ids, cache, attention_mask, document_ids, inputs_embeds))
+        loss = None
+        if labels is not None:
+            targets_BT = labels[:, 1:]
+            if document_ids is not None:  # never predict across a document boundary
+                targets_BT = targets_BT.masked_fill(document_ids[:, 1:] != document_ids[:, :-1], IGNORE_INDEX)
+            if attention_mask is not None:  # a padding position predicts nothing (left padding)
+                new_BT = attention_mask[:, -labels.shape[1]:].to(labels.device)
+                targets_BT = targets_BT.masked_fill(new_BT[:, :-1] == 0, IGNORE_INDEX)
+            loss = next_token_loss(logits_BTV[:, :-1], targets_BT)
+        return CausalLMOutput(logits=logits_BTV, loss=loss)
+
+    def check_inputs(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None,
+                     labels: torch.Tensor | None = None) -> None:
+        """The public-boundary checks of `forward`: ids in the vocabulary, embeddings [B, T, D], labels of the
+        input's shape holding token ids or IGNORE_INDEX."""
         if input_ids is not None:
             self.check_input_ids(input_ids)
         elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size or 0 in inputs_embeds.shape:
             raise ValueError(f"inputs_embeds must have shape [batch, time, {self.config.hidden_size}], got "
                              f"{tuple(inputs_embeds.shape)}")
-        logits_BTV = self.lm_head(self.model(input_ids, cache, attention_mask, document_ids, inputs_embeds))
-        loss = None
         if labels is not None:
-            if labels.shape != logits_BTV.shape[:2]:
-                raise ValueError(f"labels shape {tuple(labels.shape)} must equal the input shape "
-                                 f"{tuple(logits_BTV.shape[:2])}")
-            targets_BT = labels[:, 1:]
-            if document_ids is not None:  # never predict across a document boundary
-                targets_BT = targets_BT.masked_fill(document_ids[:, 1:] != document_ids[:, :-1], -100)
-            if attention_mask is not None:  # a padding position predicts nothing (left padding)
-                new_BT = attention_mask[:, -labels.shape[1]:].to(labels.device)
-                targets_BT = targets_BT.masked_fill(new_BT[:, :-1] == 0, -100)
-            loss = F.cross_entropy(fp32(logits_BTV[:, :-1]).flatten(0, 1), targets_BT.flatten(), ignore_index=-100)
-        return CausalLMOutput(logits=logits_BTV, loss=loss)
-
-    def generate(self, input_ids: torch.LongTensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
-                 attention_mask: torch.Tensor | None = None, seed: int | None = None,
-                 streamer=None) -> torch.LongTensor:
-        """Prompt + up to `max_new_tokens` sampled tokens, [B, T + n]: see `k3.inference.generate.generate`."""
-        return generate_tokens(self, input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                               eos_token_id=eos_token_id, attention_mask=attention_mask, seed=seed,
-                               streamer=streamer)
-
-    # ---------------------------------------------------------------------------------- checkpoints
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None) -> "K3ForCausalLM":
-        """Load a directory in the released layout (spec §11): `config.json` + safetensors (sharded or not).
-
-        `dtype=None` uses the stored dtype of `embed_tokens`; floating tensors are cast to `dtype`, except the
-        fp32 set of spec §0.4, which is always fp32. MXFP4-packed routed experts are decoded.
-        """
-        config = K3Config.from_json(path)
-        with torch.device("meta"):
-            model = cls(config)
-        state = load_checkpoint_state(path, model.state_dict(), dtype=dtype)
-        if dtype is None:  # one activation dtype: the embedding's stored one (MXFP4 experts decode to bf16)
-            dtype = state["model.embed_tokens.weight"].dtype
-            state = {n: t.to(dtype) if t.is_floating_point() and not is_fp32_tensor(n) else t
-                     for n, t in state.items()}
-        model.load_state_dict(state, strict=True, assign=True)
-        return model
-
-    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int = 5 * 2**30) -> None:
-        """Write `config.json` + safetensors in the official names (`language_model.` prefix when the config
-        came from a multimodal file). Routed experts are written dense, so `quantization_config` is dropped."""
-        os.makedirs(path, exist_ok=True)
-        config = dense_checkpoint_config(self.config)
-        save_checkpoint_state(path, self.state_dict(), config.kda_num_heads, max_shard_size=max_shard_size,
-                              prefix="" if config.multimodal is None else "language_model.")
-        config.save(path)
+            shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+            if labels.shape != shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} must equal the input shape {tuple(shape)}")
+            check_labels(labels, self.config.vocab_size)

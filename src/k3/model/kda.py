@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.inference.cache import KDACache, StepContext
-from k3.model.norm import RMSNorm, l2_normalize, rms_normalize
-from k3.model.precision import KeepFP32, fp32
+from k3.model.cache import KDACache, StepContext
+from k3.ops.norm import RMSNorm, l2_normalize, rms_normalize
+from k3.ops.precision import KeepFP32, fp32
 from k3.ops.kda import chunk_kda, recurrent_kda
 from k3.ops.kda.varlen import chunk_kda_by_document, kda_by_document
 
@@ -59,7 +59,6 @@ def short_conv(x_BTP: torch.Tensor, weight_P1W: torch.Tensor, context_BWP: torch
 class KimiDeltaAttention(KeepFP32):
     """One KDA layer (module `self_attn` of a KDA decoder layer); parameter names are the checkpoint's."""
 
-    fp32_names = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight")
 
     def __init__(self, config: K3Config):
         super().__init__()

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.inference.cache import MLACache, StepContext
-from k3.model.norm import RMSNorm
-from k3.model.precision import fp32
+from k3.model.cache import MLACache, StepContext
+from k3.ops.norm import RMSNorm
+from k3.ops.precision import fp32
 
 MLA_LORA_NORM_EPS = 1e-6  # spec §0.5: class default of the reference RMSNorm; the config's eps is not passed
 
@@ -67,6 +67,8 @@ class GatedMLA(nn.Module):
         longer prefill chunks use the expanded form (spec §4.2).
         """
         ctx = ctx or StepContext()
+        for observer in ctx.observers:  # QK-Clip's max logits (spec §8.6)
+            observer.on_attention(self, x_BTD.detach(), ctx.document_ids_BT)
         T = x_BTD.shape[1]
         latent_BSL = self.compress_kv(x_BTD)
         if cache is not None:

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
+from k3.model.cache import StepContext
 from k3.model.ffn import SiTUMLP, glu_activation
-from k3.model.norm import RMSNorm
-from k3.model.precision import KeepFP32, fp32
+from k3.ops.norm import RMSNorm
+from k3.ops.precision import KeepFP32, fp32
 
 
 class MoEGate(KeepFP32):
@@ -21,22 +22,18 @@ class MoEGate(KeepFP32):
     `e_score_correction_bias` (fp32 buffer, written only by load balancing) is added to the sigmoid scores for
     expert *selection*; the weights come from the unbiased scores, renormalised, times `routed_scaling_factor`.
 
-    `observer` (default None) is a training hook for load balancing (spec §7.2, `k3.train.balance`): when set,
-    every forward calls `observer(scores_NE, choice_NE, idx_Nk)` with the detached fp32 unbiased sigmoid
-    scores, the selection scores (scores + bias, after any group limit) and the chosen indices. It only reads;
-    the forward's result and gradients are the same with or without it.
+    Every forward reports its routing to the call's training observers (`ForwardObserver.on_routing`: load
+    balancing, spec §7.2), if any.
     """
 
-    fp32_names = ("e_score_correction_bias",)
 
     def __init__(self, config: K3Config):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
-        self.observer = None
 
-    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x_ND: torch.Tensor, ctx: StepContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (top-k expert indices [N, k] int64, their fp32 weights [N, k])."""
         cfg = self.config
         x_ND = fp32(x_ND)
@@ -45,8 +42,8 @@ class MoEGate(KeepFP32):
         if cfg.num_expert_group > 1 and cfg.topk_group < cfg.num_expert_group:
             choice_NE = self._limit_groups(choice_NE)
         idx_Nk = torch.topk(choice_NE, cfg.num_experts_per_token, dim=-1).indices
-        if self.observer is not None:
-            self.observer(scores_NE.detach(), choice_NE.detach(), idx_Nk)
+        for observer in () if ctx is None else ctx.observers:
+            observer.on_routing(self, scores_NE.detach(), choice_NE.detach(), idx_Nk)
         w_Nk = scores_NE.gather(-1, idx_Nk)
         if cfg.moe_renormalize:
             w_Nk = w_Nk / (w_Nk.sum(-1, keepdim=True) + 1e-20)
@@ -142,10 +139,10 @@ class StableLatentMoE(nn.Module):
             # the shared experts are stored merged as one MLP of width num_shared·M (spec §6.5)
             self.shared_experts = SiTUMLP(config, D, config.num_shared_experts * config.moe_intermediate_size)
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """x is the `post_attention_layernorm` output [B, T, D]."""
+    def forward(self, x_BTD: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
+        """x is the `post_attention_layernorm` output [B, T, D]; `ctx` carries the call's training observers."""
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        idx_Nk, w_Nk = self.gate(x_ND)
+        idx_Nk, w_Nk = self.gate(x_ND, ctx)
         r_NL = self.experts(self.routed_expert_down_proj(x_ND), idx_Nk, w_Nk)
         if self.config.latent_moe_use_norm:
             r_NL = self.routed_expert_norm(r_NL)

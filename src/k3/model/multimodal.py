@@ -10,20 +10,15 @@ Shape legend: B batch, T input tokens, S merged positions, C text hidden size, M
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-from k3.checkpoint import is_fp32_tensor, load_checkpoint_state, save_checkpoint_state
-from k3.checkpoint.hf import LANGUAGE_MODEL_PREFIX, NON_TEXT_PREFIXES
 from k3.config import K3Config
-from k3.inference.cache import K3Cache
-from k3.inference.generate import generate as generate_tokens
-from k3.model.k3 import CausalLMOutput, K3ForCausalLM, dense_checkpoint_config
+from k3.model.cache import K3Cache
+from k3.model.k3 import CausalLMOutput, K3ForCausalLM
+from k3.model.pretrained import PretrainedMixin
+from k3.ops.loss import IGNORE_INDEX
 from k3.vision import MoonViT, PatchMergerProjector, merge_patches
-
-IGNORE_INDEX = -100
 
 
 def _token_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -65,8 +60,10 @@ class MergeLayout:
         return out
 
 
-class K3ForConditionalGeneration(nn.Module):
+class K3ForConditionalGeneration(PretrainedMixin, nn.Module):
     """The released `KimiK3ForConditionalGeneration`: modules `language_model`, `vision_tower`, `mm_projector`."""
+
+    text_module_prefix = "language_model."
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -147,15 +144,18 @@ class K3ForConditionalGeneration(nn.Module):
 
     def forward(self, input_ids: torch.LongTensor, pixel_values: torch.Tensor | None = None,
                 grid_thws: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
-                cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
+                cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None,
+                validate: bool = True) -> CausalLMOutput:
         """Logits (and the shifted loss) over the MERGED sequence [B, S, V] (§9.9).
 
         `pixel_values` [N, 3, P, P] are the packed normalised patches of all media items in placeholder order,
         `grid_thws` [n_items, 3] their (t, h, w) grids. `labels` and `attention_mask` (1 real, 0 left padding)
         are given per input token [B, T] and expanded with the features. With a `cache`, a prompt with media is
         prefilled once; later calls feed text tokens only (the mask then covers the new tokens only).
+        `validate=False` skips the id and label checks (see `K3ForCausalLM.forward`).
         """
-        self.check_input_ids(input_ids)
+        if validate:
+            self.check_input_ids(input_ids)
         self._check_media(input_ids, pixel_values, grid_thws)
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape "
@@ -163,44 +163,5 @@ class K3ForConditionalGeneration(nn.Module):
         features = [] if pixel_values is None else self.encode_media(pixel_values, grid_thws)
         layout = self.layout(input_ids, grid_thws)
         embeds_BSC, labels_BS, mask_BS = self.merge_inputs(input_ids, features, layout, labels, attention_mask)
-        return self.language_model(inputs_embeds=embeds_BSC, labels=labels_BS, cache=cache, attention_mask=mask_BS)
-
-    @torch.no_grad()
-    def generate(self, input_ids: torch.LongTensor, max_new_tokens: int, pixel_values: torch.Tensor | None = None,
-                 grid_thws: torch.Tensor | None = None, **kwargs) -> torch.LongTensor:
-        """Prompt (with media) + up to `max_new_tokens` tokens: one prefill with the media, then text decoding.
-        Keyword arguments as `K3ForCausalLM.generate`; returns the un-expanded prompt ids + the new tokens. The
-        media placeholder is never sampled (no media could follow it)."""
-        media = {} if pixel_values is None else {"pixel_values": pixel_values, "grid_thws": grid_thws}
-        return generate_tokens(self, input_ids, max_new_tokens, prefill_inputs=media,
-                               suppress_token_ids=[self.media_placeholder_token_id], **kwargs)
-
-    # ------------------------------------------------------------------------------------- checkpoints
-    def _official_state(self) -> dict[str, torch.Tensor]:
-        """State dict with text names without `language_model.` (the checkpoint layer adds the prefix)."""
-        return {k.removeprefix(LANGUAGE_MODEL_PREFIX): v for k, v in self.state_dict().items()}
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None) -> K3ForConditionalGeneration:
-        """Load the full released layout (`language_model.*`, `vision_tower.*`, `mm_projector.*`, spec §11).
-        `dtype` as in `K3ForCausalLM.from_pretrained` (None: the stored dtype of `embed_tokens`)."""
-        config = K3Config.from_json(path)
-        with torch.device("meta"):
-            model = cls(config)
-        state = load_checkpoint_state(path, model._official_state(), dtype=dtype)
-        if dtype is None:
-            dtype = state["model.embed_tokens.weight"].dtype
-            state = {n: t.to(dtype) if t.is_floating_point() and not is_fp32_tensor(n) else t
-                     for n, t in state.items()}
-        state = {n if n.startswith(NON_TEXT_PREFIXES) else LANGUAGE_MODEL_PREFIX + n: t for n, t in state.items()}
-        model.load_state_dict(state, strict=True, assign=True)
-        return model
-
-    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int = 5 * 2**30) -> None:
-        """Write `config.json` + safetensors in the released multimodal layout (experts dense, see
-        `K3ForCausalLM.save_pretrained`)."""
-        os.makedirs(path, exist_ok=True)
-        config = dense_checkpoint_config(self.config)
-        save_checkpoint_state(path, self._official_state(), config.kda_num_heads, max_shard_size=max_shard_size,
-                              prefix=LANGUAGE_MODEL_PREFIX)
-        config.save(path)
+        return self.language_model(inputs_embeds=embeds_BSC, labels=labels_BS, cache=cache, attention_mask=mask_BS,
+                                   validate=validate)

@@ -35,9 +35,8 @@ from k3.config import K3Config
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import MoEGate, RoutedExperts
-from k3.model.norm import RMSNorm
+from k3.ops.norm import RMSNorm
 from k3.optim.muon import Muon
-from k3.vision.moonvit import PosEmb
 
 PER_HEAD_SCOPES = ("qkv", "qkv+o+gates", "none")
 DEFAULT_NO_DECAY = ("norm", "res_proj", "A_log", "dt_bias")  # spec §8.5 / §13.5
@@ -113,7 +112,7 @@ def _classify(config: K3Config, module_name: str, module: nn.Module, local_name:
         return "adamw", "embed", None
     if isinstance(module, nn.Conv1d):
         return "adamw", "conv", None
-    if isinstance(module, (nn.Conv2d, PosEmb)):
+    if isinstance(module, nn.Conv2d) or leaf == "pos_emb":  # MoonViT patch conv and position table
         return "adamw", "vision_input", None
     if isinstance(module, nn.Linear) and leaf == "wqkv" and per_head_scope != "none":
         return "muon", "vit_qkv", ("rows", (config.vision_config.head_dim,))

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from k3.model.mla import GatedMLA
-from k3.model.precision import fp32
+from k3.model.observer import ForwardObserver
+from k3.ops.precision import fp32
 
 _MLA_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn$")
 
@@ -89,3 +90,24 @@ def mla_max_logits(mla: GatedMLA, x_BTD: torch.Tensor, document_ids_BT: torch.Te
     if document_ids_BT is not None:
         valid_BTS = valid_BTS & (document_ids_BT[:, :, None] == document_ids_BT[:, None, :])
     return scores_BHTS.masked_fill(~valid_BTS[:, None], float("-inf")).amax(dim=(0, 2, 3))
+
+
+class MaxLogitRecorder(ForwardObserver):
+    """Collects, from the training forwards of a step, the per-head max logit of every MLA layer of `model`
+    (spec §8.6 step 1; attach with `K3Model.add_observer`). `pop()` returns {layer: [H]} and starts afresh."""
+
+    def __init__(self, model: nn.Module):
+        self._layer_of = {id(mla): i for i, mla in mla_layers(model).items()}
+        self._max_logits: dict[int, torch.Tensor] = {}
+
+    def on_attention(self, mla: nn.Module, x_BTD: torch.Tensor, document_ids_BT: torch.Tensor | None) -> None:
+        i = self._layer_of.get(id(mla))
+        if i is None:
+            return
+        m_H = mla_max_logits(mla, x_BTD, document_ids_BT)
+        old = self._max_logits.get(i)
+        self._max_logits[i] = m_H if old is None else torch.maximum(old, m_H)
+
+    def pop(self) -> dict[int, torch.Tensor]:
+        out, self._max_logits = self._max_logits, {}
+        return out

@@ -6,7 +6,7 @@ Mk/E of the step's M counted tokens (spec §7.1–§7.3), or applies one of the 
 
 Use in a training step (spec §7.6)::
 
-    balancer = QuantileBalancer(model)                # observes every MoEGate of the model
+    balancer = QuantileBalancer(model)                # observes every MoEGate of the model (k3.model.observer)
     for input_ids, attention_mask, labels in micro_batches:
         balancer.set_token_mask(attention_mask)       # padding (0) is routed but not counted (§6.7)
         model(input_ids, labels=labels, attention_mask=attention_mask).loss.backward()
@@ -14,10 +14,9 @@ Use in a training step (spec §7.6)::
     metrics = balancer.step()                         # solve, centre, install b for the next step
 
 The forwards of step t route with the bias installed by step t−1 and only accumulate statistics; `step()`
-installs the new bias afterwards, so the bias routing a batch never depends on that batch (§7.2). Statistics
-are taken only while a gate is in training mode (evaluation forwards do not count) and never during an
-activation-checkpointing recomputation (`k3.model.k3.is_recomputing`), so each token counts once per step
-(§7.2).
+installs the new bias afterwards, so the bias routing a batch never depends on that batch (§7.2). The balancer
+is a `ForwardObserver`: the model reports routing only in training mode (evaluation forwards do not count) and
+never during an activation-checkpointing recomputation, so each token counts once per step (§7.2).
 
 Shape legend: N tokens, E routed experts, k experts per token, B histogram buckets (n_bins + 2).
 """
@@ -30,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3.model.k3 import is_recomputing
 from k3.model.moe import MoEGate
+from k3.model.observer import ForwardObserver, attach, detach
 
 METHODS = ("qb", "qb_exact", "sign", "none")
 
@@ -102,7 +101,7 @@ class _GateStats:
         self.load_E, self.hist_EB, self.margins = None, None, []
 
 
-class QuantileBalancer:
+class QuantileBalancer(ForwardObserver):
     """Router-bias load balancing for every `MoEGate` of a model (spec §7; `balancer ∈ {qb, qb_exact, sign,
     none}` of §7.4).
 
@@ -135,10 +134,8 @@ class QuantileBalancer:
                 raise ValueError(f"{layer.name}: balancing needs k < E (k={cfg.num_experts_per_token}, "
                                  f"E={cfg.num_experts})")
             assert not bias.requires_grad, "the router bias must never receive gradients (spec §6.3)"
-            if layer.gate.observer is not None:
-                raise ValueError(f"{layer.name} already has an observer")
-        for layer in self.layers:
-            layer.gate.observer = self._observer(layer)
+        self._by_gate = {id(layer.gate): layer for layer in self.layers}
+        self._hosts = attach(self, model)
         self._mask_N: torch.Tensor | None = None
         self.metrics: dict[str, LayerBalanceMetrics] = {}  # those of the last `step()`
 
@@ -152,11 +149,12 @@ class QuantileBalancer:
         """
         self._mask_N = None if mask is None else mask.reshape(-1).bool()
 
-    def _observer(self, layer: _GateStats):
-        def observe(scores_NE: torch.Tensor, choice_NE: torch.Tensor, idx_Nk: torch.Tensor) -> None:
-            if layer.gate.training and not is_recomputing():
-                self._accumulate(layer, scores_NE, choice_NE, idx_Nk)
-        return observe
+    def on_routing(self, gate: nn.Module, scores_NE: torch.Tensor, choice_NE: torch.Tensor,
+                   idx_Nk: torch.Tensor) -> None:
+        """`ForwardObserver` entry: a training forward of one of this balancer's gates routed N tokens."""
+        layer = self._by_gate.get(id(gate))
+        if layer is not None:
+            self._accumulate(layer, scores_NE, choice_NE, idx_Nk)
 
     @torch.no_grad()
     def _accumulate(self, layer: _GateStats, scores_NE: torch.Tensor, choice_NE: torch.Tensor,
@@ -261,8 +259,8 @@ class QuantileBalancer:
             layer.reset()
 
     def detach(self) -> None:
-        """Remove the observers (the model is back to a pure forward) and drop the statistics."""
+        """Stop observing the model (it is back to a pure forward) and drop the statistics."""
+        detach(self, self._hosts)
         for layer in self.layers:
-            layer.gate.observer = None
             layer.reset()
-        self.layers = []
+        self.layers, self._by_gate, self._hosts = [], {}, []

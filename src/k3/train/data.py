@@ -50,6 +50,7 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 import torch
 
+from k3.ops.loss import IGNORE_INDEX
 from k3.tokenizer import K3Tokenizer, train_bpe
 
 __all__ = [
@@ -367,7 +368,7 @@ class PackedDataset:
         if n_pad > 0:
             stream_N = np.concatenate([stream_N, np.full(n_pad, pad_token_id)])
             doc_N = np.concatenate([doc_N, np.full(n_pad, len(docs))])
-            labels_N = np.concatenate([labels_N, np.full(n_pad, -100)])
+            labels_N = np.concatenate([labels_N, np.full(n_pad, IGNORE_INDEX)])
         doc_RL = doc_N[: n_rows * seq_len].reshape(n_rows, seq_len)
         self.seq_len = seq_len
         self.num_tokens = min(n_tokens, n_rows * seq_len)

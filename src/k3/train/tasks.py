@@ -19,14 +19,15 @@ from pathlib import Path
 import torch
 
 from k3.config import K3Config
+from k3.inference import generate
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
+from k3.ops.loss import IGNORE_INDEX
 from k3.tokenizer import K3Tokenizer, train_bpe
 from k3.train import plots
 from k3.train.data import Batches, prepare_data, validation_batches
 from k3.train.shapes import all_captions, caption, render, scene_for
 from k3.vision.processor import K3Processor, process_image
 
-IGNORE_INDEX = -100
 
 
 class TextTask:
@@ -171,9 +172,9 @@ class ShapesTask:
         ids, mask = self.processor.pad(media["prompts"])
         T = ids.shape[1]
         device = next(model.parameters()).device
-        out = model.generate(ids.to(device), max_new_tokens, media["pixel_values"].to(device),
-                             media["grid_thws"].to(device), temperature=0, attention_mask=mask.to(device),
-                             eos_token_id=self.tokenizer.eos_token_id)
+        out = generate(model, ids.to(device), max_new_tokens, temperature=0, attention_mask=mask.to(device),
+                       eos_token_id=self.tokenizer.eos_token_id, pixel_values=media["pixel_values"].to(device),
+                       grid_thws=media["grid_thws"].to(device))
         eos = self.tokenizer.eos_token_id
         texts = []
         for row in out[:, T:].tolist():

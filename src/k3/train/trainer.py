@@ -18,8 +18,10 @@ import torch
 from tqdm import tqdm
 
 from k3.config import K3Config
-from k3.model.k3 import is_recomputing
-from k3.optim import cosine_with_warmup, make_optimizers, mla_layers, mla_max_logits, qk_clip_, set_lr, wsd
+from k3.model.k3 import K3Model
+from k3.model.observer import attach, detach
+from k3.ops.loss import IGNORE_INDEX
+from k3.optim import MaxLogitRecorder, cosine_with_warmup, make_optimizers, mla_layers, qk_clip_, set_lr, wsd
 from k3.train.balance import QuantileBalancer
 from k3.train.checkpoint import latest_checkpoint, load_training_state, save_training_checkpoint
 from k3.train.tasks import TASKS
@@ -116,7 +118,8 @@ class Trainer:
             config = K3Config.from_preset(args.preset or task.default_preset, **args.overrides)
             self.model = task.model_class(config).to(self.device)
         self.config = self.model.config
-        getattr(self.model, "language_model", self.model).model.gradient_checkpointing = args.activation_checkpointing
+        (self.backbone,) = [m for m in self.model.modules() if isinstance(m, K3Model)]
+        self.backbone.gradient_checkpointing = args.activation_checkpointing
         self.task = task.from_args(self.config, args)
         self.optimizers = make_optimizers(
             self.model, self.config, lr=args.lr, weight_decay=args.weight_decay,
@@ -129,21 +132,9 @@ class Trainer:
             self.task.load_state_dict(state["data"])
             tqdm.write(f"resumed from {resume_from} at step {self.step}")
         self.mla = mla_layers(self.model)
-        self.max_logits: dict[int, torch.Tensor] = {}
+        self.max_logits = MaxLogitRecorder(self.model)  # attached to the model for the run (see `run`)
 
     # ------------------------------------------------------------------------------------------- one step
-    def _record_max_logits(self, layer_idx: int):
-        """Forward pre-hook on an MLA layer: the step's per-head max pre-softmax logit (for QK-Clip, §8.6)."""
-
-        def hook(module, args):
-            if module.training and not is_recomputing():
-                x_BTD, ctx = args[0], args[2]
-                m_H = mla_max_logits(module, x_BTD.detach(), None if ctx is None else ctx.document_ids_BT)
-                old = self.max_logits.get(layer_idx)
-                self.max_logits[layer_idx] = m_H if old is None else torch.maximum(old, m_H)
-
-        return hook
-
     def _lr(self, step: int) -> float:
         a = self.args
         if a.schedule == "wsd":
@@ -173,9 +164,9 @@ class Trainer:
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
-        gammas = qk_clip_(self.mla, self.max_logits, a.qk_clip_tau)
-        max_logit = max((float(m.max()) for m in self.max_logits.values()), default=0.0)
-        self.max_logits = {}
+        max_logits = self.max_logits.pop()
+        gammas = qk_clip_(self.mla, max_logits, a.qk_clip_tau)
+        max_logit = max((float(m.max()) for m in max_logits.values()), default=0.0)
         self.last_load_LE = torch.stack([layer.load_E.float() for layer in self.balancer.layers])
         balance = self.balancer.step()
         self.step += 1
@@ -196,7 +187,7 @@ class Trainer:
             if i == self.args.eval_batches:
                 break
             batch = {k: v.to(self.device) for k, v in batch.items()}
-            n = int((batch["labels"][:, 1:] != -100).sum())
+            n = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
             loss = self.model(**batch).loss
             total, count = total + loss.item() * n, count + n
         return {"val_loss": total / max(count, 1), **self.task.evaluate(self.model)}
@@ -251,7 +242,7 @@ class Trainer:
         a = self.args
         self.out.mkdir(parents=True, exist_ok=True)
         deadline = None if a.minutes is None else time.monotonic() + 60 * a.minutes
-        hooks = [mla.register_forward_pre_hook(self._record_max_logits(i)) for i, mla in self.mla.items()]
+        observed = attach(self.max_logits, self.model)
         started = time.perf_counter()
         if not self.history:
             self.history.append({"step": 0, **self.evaluate()})
@@ -288,8 +279,7 @@ class Trainer:
             tqdm.write(f"aborted; the last checkpoint is step {last_saved}")
             raise
         finally:
-            for h in hooks:
-                h.remove()
+            detach(self.max_logits, observed)
         last_eval = next(m for m in reversed(self.history) if "val_loss" in m)
         return {"task": self.task.name, "step": self.step, "total_steps": self.total_steps, "finished": finished,
                 "initial_val_loss": initial_val, "final_val_loss": last_eval["val_loss"],

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3VisionConfig
-from k3.model.norm import RMSNorm
-from k3.model.precision import fp32
+from k3.ops.norm import RMSNorm
+from k3.ops.precision import fp32
 
 ROPE_MAX_SIDE = 512  # the released 2D RoPE table is 512 × 512 (§9.5)
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from k3.config import K3VisionConfig
-from k3.model.norm import RMSNorm
+from k3.ops.norm import RMSNorm
 from k3.vision.moonvit import fan_in_trunc_normal_
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3.model.precision import fp32
+from k3.ops.precision import fp32
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

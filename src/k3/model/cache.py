@@ -12,11 +12,13 @@ K key dim, V value dim, L latent width (kv_lora_rank + qk_rope_head_dim).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from k3.config import K3Config
+from k3.model.observer import ForwardObserver
 
 
 @dataclass
@@ -90,13 +92,24 @@ class StepContext:
 
     `start` is the position of the first new token; `valid_BT` marks the real (non-padding) new tokens (None:
     all real); `key_valid_BS` marks the real tokens among all `start + T` positions (None: all real);
-    `document_ids_BT` marks the documents of packed rows (None: one sequence per row).
+    `document_ids_BT` marks the documents of packed rows (None: one sequence per row); `observers` are the
+    training observers of this forward (`k3.model.observer`; empty: nobody is watching).
     """
 
     start: int = 0
     valid_BT: torch.Tensor | None = None
     key_valid_BS: torch.Tensor | None = None
     document_ids_BT: torch.Tensor | None = None
+    observers: tuple[ForwardObserver, ...] = ()
+
+    @contextlib.contextmanager
+    def muted(self):
+        """No observer is called inside (activation checkpointing's recomputation of a layer's forward)."""
+        observers, self.observers = self.observers, ()
+        try:
+            yield
+        finally:
+            self.observers = observers
 
 
 def step_context(cache: K3Cache | None, B: int, T: int, attention_mask: torch.Tensor | None,
@@ -122,6 +135,9 @@ def step_context(cache: K3Cache | None, B: int, T: int, attention_mask: torch.Te
         raise ValueError(f"input batch size {B} does not match the cache's batch size {cache.batch_size}")
     valid_BT = None
     if attention_mask is not None:
+        if attention_mask.dtype != torch.bool and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (token), got the values "
+                             f"{attention_mask.unique()[:8].tolist()}")
         mask = attention_mask.to(device=device, dtype=torch.bool)
         if tuple(mask.shape) == (B, start + T):
             past_BS, valid_BT = mask[:, :start], mask[:, start:]

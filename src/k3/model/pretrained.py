@@ -1,0 +1,71 @@
+"""`from_pretrained` / `save_pretrained` in the released checkpoint layout, for the text and the multimodal model
+(docs/architecture.md §11).
+
+The module trees differ only by where the text model sits: at the root of `K3ForCausalLM`, under
+`language_model.` in `K3ForConditionalGeneration`. The checkpoint layer (`k3.checkpoint`) sees text tensors
+without that module prefix and adds the file's own prefix (`language_model.` in a multimodal file).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from k3.checkpoint import load_checkpoint_state, save_checkpoint_state
+from k3.checkpoint.hf import LANGUAGE_MODEL_PREFIX, NON_TEXT_PREFIXES
+from k3.config import K3Config
+from k3.ops.precision import is_fp32_tensor
+
+
+def dense_checkpoint_config(config: K3Config) -> K3Config:
+    """The config to save beside dense (not MXFP4) routed experts: `quantization_config` removed."""
+    if "quantization_config" not in config.extra and "quantization_config" not in (config.multimodal or {}):
+        return config
+    return config.replace(
+        extra={k: v for k, v in config.extra.items() if k != "quantization_config"},
+        multimodal=None if config.multimodal is None else
+        {k: v for k, v in config.multimodal.items() if k != "quantization_config"})
+
+
+class PretrainedMixin:
+    """Checkpoint I/O of a K3 model class whose text model sits under `text_module_prefix`."""
+
+    text_module_prefix = ""  # "language_model." for the multimodal model
+    config: K3Config
+
+    def official_state_dict(self) -> dict[str, torch.Tensor]:
+        """The state dict with text tensors named without the module prefix (vision names unchanged)."""
+        return {name.removeprefix(self.text_module_prefix): t for name, t in self.state_dict().items()}
+
+    def _module_name(self, name: str) -> str:
+        return name if name.startswith(NON_TEXT_PREFIXES) else self.text_module_prefix + name
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None):
+        """Load a directory in the released layout (§11): `config.json` + safetensors (sharded or not).
+
+        `dtype=None` uses the stored dtype of `embed_tokens`; floating tensors are cast to `dtype`, except the
+        fp32 set of §0.4, which is always fp32. MXFP4-packed routed experts are decoded. A text model reads the
+        text part of a multimodal checkpoint (vision tensors are skipped).
+        """
+        config = K3Config.from_json(path)
+        with torch.device("meta"):
+            model = cls(config)
+        state = load_checkpoint_state(path, model.official_state_dict(), dtype=dtype)
+        if dtype is None:  # one activation dtype: the embedding's stored one (MXFP4 experts decode to bf16)
+            dtype = state["model.embed_tokens.weight"].dtype
+            state = {n: t.to(dtype) if t.is_floating_point() and not is_fp32_tensor(n) else t
+                     for n, t in state.items()}
+        model.load_state_dict({model._module_name(n): t for n, t in state.items()}, strict=True, assign=True)
+        return model
+
+    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int = 5 * 2**30) -> None:
+        """Write `config.json` + safetensors in the official names, `language_model.` prefixed when the config
+        is multimodal. Routed experts are written dense, so `quantization_config` is dropped."""
+        os.makedirs(path, exist_ok=True)
+        config = dense_checkpoint_config(self.config)
+        prefix = "" if config.multimodal is None else LANGUAGE_MODEL_PREFIX
+        save_checkpoint_state(path, self.official_state_dict(), config.kda_num_heads, max_shard_size=max_shard_size,
+                              prefix=prefix)
+        config.save(path)

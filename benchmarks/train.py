@@ -2,10 +2,10 @@
 
 k3-tiny (B×T = 8×256) and k3-small (4×256), random init, fp32 on CPU, synthetic random tokens packed as 2–3
 documents per row (`document_ids`), no data download. Each step is `Trainer.train_step` itself (spec §7.6):
-forward with document_ids (QB statistics in the router observers, the QK-Clip max-logit recomputation in the
-MLA forward pre-hooks) → backward → gradient clipping → Muon (ns_dtype=float32, as the trainer uses on CPU) +
+forward with document_ids (the QuantileBalancer and the QK-Clip max-logit recorder observe it through the
+model's observer channel) → backward → gradient clipping → Muon (ns_dtype=float32, as the trainer uses on CPU) +
 AdamW → QK-Clip → QuantileBalancer.step. Only the data source differs from `k3 train`: `SyntheticTrainer`
-builds the model, optimisers, balancer and hooks exactly as `Trainer.__init__`/`Trainer.run` do.
+builds the model, optimisers, balancer and observers exactly as `Trainer.__init__`/`Trainer.run` do.
 
 1. Throughput: median step time of the timed steps after the warm-up steps (`STEPS`), on the uninstrumented
    model; tokens/s = B·T / step time.
@@ -26,8 +26,8 @@ builds the model, optimisers, balancer and hooks exactly as `Trainer.__init__`/`
      the sublayer's backward (parameter-gradient accumulation included);
    * nested inside KDA, the KDA core (`chunk_kda_by_document`: re-lay every document on chunk boundaries,
      `chunk_kda` with state resets, gather back) with the same markers, reported as a sub-row;
-   * the QK-Clip max-logit recomputation (forward pre-hook, outside the MLA window) and the QB statistics (router
-     observer, inside the MoE forward, subtracted from it) are timed on their own;
+   * the QK-Clip max-logit recomputation (observer, inside the MLA window, subtracted from it) and the QB
+     statistics (observer, inside the MoE forward, subtracted from it) are timed on their own;
    * clip, Muon, AdamW, QK-Clip rescale and QB solve/install are timed around those calls (optimiser step hooks;
      wrappers of `clip_grad_norm_`, `qk_clip_` and `balancer.step`);
    * "rest of fwd/bwd" is the forward (model call, loss included) or backward total minus the sublayers:
@@ -54,12 +54,14 @@ import torch
 
 import k3.model.k3 as k3_model
 import k3.model.kda as kda_module
+import k3.optim.qk_clip as qk_clip_module
 import k3.train.trainer as trainer_module
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
 from k3.model.accounting import count_parameters, forward_flops_per_token
 from k3.ops.kda.varlen import chunk_aligned_layout
-from k3.optim import make_optimizers, mla_layers
+from k3.model.observer import attach
+from k3.optim import MaxLogitRecorder, make_optimizers, mla_layers
 from k3.optim.muon import block_views
 from k3.train.balance import QuantileBalancer
 from k3.train.tasks import TextTask
@@ -122,9 +124,8 @@ class SyntheticTrainer(Trainer):
         self.task = SyntheticText(synthetic_batches(self.config.vocab_size, batch_size, seq_len, seed))
         self.step, self.total_steps, self.history = 0, total_steps, []
         self.mla = mla_layers(self.model)
-        self.max_logits = {}
-        for i, mla in self.mla.items():  # as `Trainer.run`
-            mla.register_forward_pre_hook(self._record_max_logits(i))
+        self.max_logits = MaxLogitRecorder(self.model)
+        attach(self.max_logits, self.model)  # as `Trainer.run`
 
 
 # ------------------------------------------------------------------------------------------------ timers
@@ -159,9 +160,8 @@ class StepProfiler:
                        "MoE" if moe else "dense MLP")
         self._wrap(k3_model, "attn_res_mix", self._timed_call, "AttnRes")
         self._wrap(kda_module, "chunk_kda_by_document", self._timed_call, "KDA core")
-        for stats in trainer.balancer.layers:
-            self._wrap(stats.gate, "observer", self._phase, "QB statistics")
-        self._wrap(trainer_module, "mla_max_logits", self._phase, "QK-Clip max logits")
+        self._wrap(trainer.balancer, "on_routing", self._phase, "QB statistics")
+        self._wrap(qk_clip_module, "mla_max_logits", self._phase, "QK-Clip max logits")
         self._wrap(model, "forward", self._phase, "forward")
         self._wrap(torch.nn.utils, "clip_grad_norm_", self._phase, "clip")
         self._wrap(trainer_module, "qk_clip_", self._phase, "QK-Clip rescale")
@@ -231,15 +231,16 @@ class StepProfiler:
         for r in self.records:
             fwd, bwd = comp.get(r["kind"], (0.0, 0.0))
             comp[r["kind"]] = (fwd + r["fwd"], bwd + r["bwd_end"] - r["bwd_start"])
-        # the QB statistics run inside the MoE forward: report them on their own
-        fwd, bwd = comp["MoE"]
-        comp["MoE"] = (fwd - self.times.get("QB statistics", 0.0), bwd)
+        # the observers run inside the MoE / MLA forwards: report them on their own
+        for kind, observer in (("MoE", "QB statistics"), ("MLA", "QK-Clip max logits")):
+            fwd, bwd = comp[kind]
+            comp[kind] = (fwd - self.times.get(observer, 0.0), bwd)
         kda_core = comp.pop("KDA core")  # nested inside the KDA window: reported, not summed
         forward = self.times.pop("forward")
         backward = self.stamps["clip start"] - self.stamps["forward end"]
-        inner_fwd = sum(f for f, _ in comp.values()) + self.times.get("QB statistics", 0.0)
-        comp["rest of fwd/bwd"] = (forward - inner_fwd - self.times.get("QK-Clip max logits", 0.0),
-                                   backward - sum(b for _, b in comp.values()))
+        inner_fwd = sum(f for f, _ in comp.values()) + self.times.get("QB statistics", 0.0) \
+            + self.times.get("QK-Clip max logits", 0.0)
+        comp["rest of fwd/bwd"] = (forward - inner_fwd, backward - sum(b for _, b in comp.values()))
         comp["KDA core"] = kda_core
         for name in ("QK-Clip max logits", "QB statistics"):
             comp[name] = (self.times.pop(name, 0.0), 0.0)

@@ -18,13 +18,20 @@ import torch
 from k3.ops.kda.chunk import chunk_kda
 
 
-def document_index(document_ids_BT: torch.Tensor) -> torch.Tensor:
-    """Flat positions (into B·T) of each document's tokens, right-padded with −1: [D, M]."""
+def document_starts(document_ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(starts_BT: token t of row b starts a document, flat start position of each document [D] (into B·T), its
+    length [D]). A row always starts a new document."""
     B, T = document_ids_BT.shape
     starts_BT = torch.ones_like(document_ids_BT, dtype=torch.bool)
     starts_BT[:, 1:] = document_ids_BT[:, 1:] != document_ids_BT[:, :-1]
-    flat_starts = starts_BT.flatten().nonzero().squeeze(-1)
-    lengths_D = torch.diff(flat_starts, append=torch.tensor([B * T], device=flat_starts.device))
+    flat_starts_D = starts_BT.flatten().nonzero().squeeze(-1)
+    lengths_D = torch.diff(flat_starts_D, append=torch.tensor([B * T], device=flat_starts_D.device))
+    return starts_BT, flat_starts_D, lengths_D
+
+
+def document_index(document_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Flat positions (into B·T) of each document's tokens, right-padded with −1: [D, M]."""
+    _, flat_starts, lengths_D = document_starts(document_ids_BT)
     offsets_M = torch.arange(int(lengths_D.max()), device=flat_starts.device)
     index_DM = flat_starts[:, None] + offsets_M
     return index_DM.masked_fill(offsets_M >= lengths_D[:, None], -1)
@@ -54,11 +61,8 @@ def chunk_aligned_layout(document_ids_BT: torch.Tensor, chunk_size: int) -> tupl
     document). Rows are re-laid to the longest re-laid row, R = N · chunk_size.
     """
     B, T = document_ids_BT.shape
-    starts_BT = torch.ones_like(document_ids_BT, dtype=torch.bool)
-    starts_BT[:, 1:] = document_ids_BT[:, 1:] != document_ids_BT[:, :-1]
+    starts_BT, flat_starts_D, lengths_D = document_starts(document_ids_BT)
     doc_BT = starts_BT.flatten().cumsum(0).view(B, T) - 1  # global document index of every token
-    flat_starts_D = starts_BT.flatten().nonzero().squeeze(-1)
-    lengths_D = torch.diff(flat_starts_D, append=torch.tensor([B * T], device=flat_starts_D.device))
     padded_D = -(-lengths_D // chunk_size) * chunk_size
     ends_D = padded_D.cumsum(0)
     row_D = flat_starts_D // T

@@ -207,3 +207,26 @@ def test_sample_next_token_validates():
         sample_next_token(torch.zeros(1, 4), top_p=-0.1)
     with pytest.raises(ValueError, match="logits"):
         sample_next_token(torch.zeros(4))
+
+
+def test_cache_grows_with_the_generated_tokens_not_max_new_tokens(model, monkeypatch):
+    """`max_new_tokens` is a bound, not an allocation: a run stopped by eos after one token holds a cache sized
+    for the prompt plus the first 256 positions, whatever the bound."""
+    x = prompts(1, 5)
+    first = generate(model, x, 1, temperature=0)[0, -1].item()
+    sizes = []
+    make_cache = model.make_cache
+    monkeypatch.setattr(model, "make_cache", lambda B, capacity: sizes.append(capacity) or make_cache(B, capacity))
+    out = generate(model, x, 4_000_000_000, temperature=0, eos_token_id=first)
+    assert out.shape == (1, 6) and sizes == [5 + 256]
+    out = generate(model, x, 300, temperature=0)  # grows past the first allocation by doubling
+    assert out.shape == (1, 305)
+
+
+def test_decode_steps_do_not_revalidate(model, monkeypatch):
+    """The prompt is checked once; the decode steps feed ids the model produced itself."""
+    calls = []
+    check = model.check_input_ids
+    monkeypatch.setattr(model, "check_input_ids", lambda ids: calls.append(ids.shape) or check(ids))
+    generate(model, prompts(2, 3), 5, temperature=0)
+    assert len(calls) == 1

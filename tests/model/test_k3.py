@@ -99,6 +99,36 @@ def test_input_validation(tiny_model):
     assert model(ok.int()).logits.shape == (1, 5, 256)
 
 
+@pytest.mark.parametrize("value, problem", [(256, "256"), (10**6, "1000000"), (-101, "-101"), (-1, "-1")])
+def test_bad_labels_are_named(tiny_model, value, problem):
+    """A label must be a token id or the ignore index −100: anything else names the position and the value."""
+    model = tiny_model(seed=2)
+    ids = ids_for(256, 2, 6, 3)
+    labels = ids.clone()
+    labels[1, 4] = value
+    with pytest.raises(ValueError, match=rf"labels\[1, 4\] = {problem} is neither a token id in 0..255"):
+        model(ids, labels=labels)
+    with pytest.raises(ValueError, match="integer"):
+        model(ids, labels=ids.float())
+
+
+def test_all_ignored_labels_give_zero_loss_with_a_warning(tiny_model):
+    model = tiny_model(seed=2)
+    ids = ids_for(256, 2, 6, 3)
+    with pytest.warns(UserWarning, match="every label is the ignore index"):
+        loss = model(ids, labels=torch.full_like(ids, -100)).loss
+    assert loss.item() == 0.0 and torch.isfinite(loss)
+    loss.backward()  # still part of the graph
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+@pytest.mark.parametrize("mask", [[[1, 1, 2, 1]], [[1, 1, -1, 1]], [[0.5, 1.0, 1.0, 1.0]]])
+def test_attention_mask_values_other_than_0_1_are_rejected(tiny_model, mask):
+    model = tiny_model(seed=2)
+    with pytest.raises(ValueError, match="attention_mask must hold only 0"):
+        model(ids_for(256, 1, 4, 3), attention_mask=torch.tensor(mask))
+
+
 @torch.no_grad()
 def test_prefix_invariance(tiny_model):
     """Logits of the first L tokens of a T = 100 run equal an L-token run (L = 1, 7, 16, 65; §12.3 item 9)."""

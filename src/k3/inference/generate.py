@@ -143,7 +143,8 @@ def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch
     new_tokens: list[torch.Tensor] = []
     if max_new_tokens > 0:
         cache = model.make_cache(B, capacity=T + min(max_new_tokens, FIRST_CACHE_TOKENS))
-        logits_BV = model(input_ids, cache=cache, attention_mask=attention_mask, **prefill_inputs).logits[:, -1]
+        logits_BV = model(input_ids, cache=cache, attention_mask=attention_mask, validate=False,
+                          **prefill_inputs).logits[:, -1]  # input_ids were checked above
         for step in range(max_new_tokens):
             if suppress.numel():
                 logits_BV = logits_BV.index_fill(-1, suppress, -math.inf)

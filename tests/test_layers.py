@@ -12,9 +12,8 @@ ROOT = Path(k3.__file__).parent
 
 # lower layers first; a module may import its own subpackage and anything of a strictly lower layer
 LAYERS = [
-    {"ops"},
+    {"ops", "fileio"},
     {"config"},
-    {"fileio"},
     {"checkpoint", "tokenizer"},
     {"vision"},
     {"model"},

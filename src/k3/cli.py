@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="reproducible sampling")
     p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("train", help="train a K3 model (default: k3-tiny on the embedded Shakespeare corpus)")
+    p = sub.add_parser("train", help="train a K3 model (default: k3-tiny on the works of Shakespeare, fetched once and cached)")
     p.add_argument("--task", default="text", choices=["text", "shapes"],
                    help="text: language modelling; shapes: caption generated images of coloured shapes (multimodal)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="default: k3-tiny (text), k3-tiny-vl (shapes)")

@@ -9,7 +9,7 @@ decode steps need no mask.
 Sampling (not part of the model spec): temperature 0 is greedy; otherwise the logits are divided by the
 temperature in fp32, filtered by top-k and then top-p (nucleus), and one token is drawn from the softmax.
 
-Shape legend: B batch, T prompt length, V vocabulary.
+Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def _check_sampling_args(temperature: float, top_k: int | None, top_p: float | N
         raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
 
 
-def sample_next_token(logits_BV: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+def sample_next_token(logits_BO: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
                       top_p: float | None = None, generator: torch.Generator | None = None) -> torch.LongTensor:
-    """Pick one token per row of `logits_BV` [B, V]; returns a LongTensor [B].
+    """Pick one token per row of `logits_BO` [B, V]; returns a LongTensor [B].
 
     `temperature == 0` is greedy (argmax; `top_k`, `top_p` and `generator` are then irrelevant). Otherwise, in
     fp32: divide by `temperature`; keep the `top_k` largest logits (all if None or ≥ V); keep the smallest set
@@ -48,22 +48,22 @@ def sample_next_token(logits_BV: torch.Tensor, temperature: float = 1.0, top_k: 
     always survives); draw from the softmax with `generator` (None: torch's default generator).
     """
     _check_sampling_args(temperature, top_k, top_p)
-    if logits_BV.dim() != 2:
-        raise ValueError(f"logits must have shape [batch, vocab], got {tuple(logits_BV.shape)}")
+    if logits_BO.dim() != 2:
+        raise ValueError(f"logits must have shape [batch, vocab], got {tuple(logits_BO.shape)}")
     if temperature == 0:
-        return logits_BV.argmax(dim=-1)
-    logits_BV = logits_BV.float() / temperature
-    V = logits_BV.shape[-1]
+        return logits_BO.argmax(dim=-1)
+    logits_BO = logits_BO.float() / temperature
+    V = logits_BO.shape[-1]
     if top_k is not None and top_k < V:
-        top_BK = logits_BV.topk(top_k, dim=-1)
-        logits_BV = torch.full_like(logits_BV, -math.inf).scatter(-1, top_BK.indices, top_BK.values)
+        top_Bk = logits_BO.topk(top_k, dim=-1)
+        logits_BO = torch.full_like(logits_BO, -math.inf).scatter(-1, top_Bk.indices, top_Bk.values)
     if top_p is not None and top_p < 1:
-        sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
-        probs_BV = sorted_BV.softmax(dim=-1)
-        mass_before_BV = probs_BV.cumsum(dim=-1) - probs_BV  # probability of the strictly more probable tokens
-        sorted_BV = sorted_BV.masked_fill(mass_before_BV >= top_p, -math.inf)  # index 0 has 0 before: kept
-        logits_BV = torch.empty_like(logits_BV).scatter(-1, order_BV, sorted_BV)
-    return torch.multinomial(logits_BV.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+        sorted_BO, order_BO = logits_BO.sort(dim=-1, descending=True)
+        probs_BO = sorted_BO.softmax(dim=-1)
+        mass_before_BO = probs_BO.cumsum(dim=-1) - probs_BO  # probability of the strictly more probable tokens
+        sorted_BO = sorted_BO.masked_fill(mass_before_BO >= top_p, -math.inf)  # index 0 has 0 before: kept
+        logits_BO = torch.empty_like(logits_BO).scatter(-1, order_BO, sorted_BO)
+    return torch.multinomial(logits_BO.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 
 
 def _eos_ids(eos_token_id: int | Sequence[int], vocab_size: int) -> list[int]:
@@ -143,12 +143,12 @@ def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch
     new_tokens: list[torch.Tensor] = []
     if max_new_tokens > 0:
         cache = model.make_cache(B, capacity=T + min(max_new_tokens, FIRST_CACHE_TOKENS))
-        logits_BV = model(input_ids, cache=cache, attention_mask=attention_mask, validate=False,
+        logits_BO = model(input_ids, cache=cache, attention_mask=attention_mask, validate=False,
                           **prefill_inputs).logits[:, -1]  # input_ids were checked above
         for step in range(max_new_tokens):
             if suppress.numel():
-                logits_BV = logits_BV.index_fill(-1, suppress, -math.inf)
-            next_B = sample_next_token(logits_BV, temperature, top_k, top_p, generator)
+                logits_BO = logits_BO.index_fill(-1, suppress, -math.inf)
+            next_B = sample_next_token(logits_BO, temperature, top_k, top_p, generator)
             if eos_tensor is not None:
                 next_B = next_B.masked_fill(finished_B, eos[0])
                 finished_B |= torch.isin(next_B, eos_tensor)
@@ -158,7 +158,7 @@ def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch
             if step == max_new_tokens - 1 or bool(finished_B.all()):
                 break
             # the cache keeps the prompt's padding mask; a new token is always real, so no mask is needed
-            logits_BV = model(next_B[:, None], cache=cache, validate=False).logits[:, -1]
+            logits_BO = model(next_B[:, None], cache=cache, validate=False).logits[:, -1]
     if streamer is not None and hasattr(streamer, "put"):
         streamer.end()
     return torch.cat([input_ids.long(), *(t[:, None] for t in new_tokens)], dim=1)

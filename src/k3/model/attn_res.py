@@ -1,6 +1,6 @@
 """Block Attention Residuals: the depth-mixing operator (spec §5.1, §5.3, §5.5).
 
-Shape legend: S sources, B batch, T time, D hidden.
+Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
 
 from __future__ import annotations

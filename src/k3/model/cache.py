@@ -6,8 +6,7 @@ projected, pre-conv inputs of q, k and v. MLA layers keep only the compressed la
 MoE need no cross-token state. Positions are explicit: `K3Cache.length` tokens have been consumed and the next
 call writes at that position; `key_mask` marks which cached positions are real tokens (left padding).
 
-Shape legend: B batch, S cached positions (capacity), W conv width, P = H·K KDA projection width, H heads,
-K key dim, V value dim, L latent width (kv_lora_rank + qk_rope_head_dim).
+Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The K3 text model: decoder layers with Block AttnRes, `K3Model`, `K3ForCausalLM` (spec §1.4, §5.3, App. A).
 
-Shape legend: B batch, T time, D hidden, V vocabulary.
+Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ class K3ForCausalLM(PretrainedMixin, nn.Module):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
         if validate:
             self.check_inputs(input_ids, inputs_embeds, labels)
-        logits_BTV = self.lm_head(self.model(input_ids, cache, attention_mask, document_ids, inputs_embeds))
+        logits_BTO = self.lm_head(self.model(input_ids, cache, attention_mask, document_ids, inputs_embeds))
         loss = None
         if labels is not None:
             targets_BT = labels[:, 1:]
@@ -188,8 +188,8 @@ class K3ForCausalLM(PretrainedMixin, nn.Module):
             if attention_mask is not None:  # a padding position predicts nothing (left padding)
                 new_BT = attention_mask[:, -labels.shape[1]:].to(labels.device)
                 targets_BT = targets_BT.masked_fill(new_BT[:, :-1] == 0, IGNORE_INDEX)
-            loss = next_token_loss(logits_BTV[:, :-1], targets_BT)
-        return CausalLMOutput(logits=logits_BTV, loss=loss)
+            loss = next_token_loss(logits_BTO[:, :-1], targets_BT)
+        return CausalLMOutput(logits=logits_BTO, loss=loss)
 
     def check_inputs(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None,
                      labels: torch.Tensor | None = None) -> None:

@@ -1,6 +1,6 @@
 """Kimi Delta Attention layer (spec §3.1–§3.3, §3.9).
 
-Shape legend: B batch, T time, D hidden, P = H·K projection width, H heads, K key/value head dim, W conv width.
+Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Gated NoPE multi-head latent attention, expanded form (spec §4.1, §4.2, §4.5).
 
-Shape legend: B batch, T query time, S key time, D hidden, H heads, N = qk_nope_head_dim, R = qk_rope_head_dim
-(the never-rotated shared key slot), Vh = v_head_dim, C = kv_lora_rank, Q = q_lora_rank.
+Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -47,9 +46,9 @@ class GatedMLA(nn.Module):
 
     def compress_kv(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """The 576-number latent per token: [ĉ = RMSNorm_{1e-6}(c) ‖ raw k_pe] (steps 3–4, spec §4.3)."""
-        c_BTC, k_pe_BTR = self.kv_a_proj_with_mqa(x_BTD).split(
+        c_BTc, k_pe_BTR = self.kv_a_proj_with_mqa(x_BTD).split(
             [self.config.kv_lora_rank, self.config.qk_rope_head_dim], dim=-1)
-        return torch.cat([self.kv_a_layernorm(c_BTC), k_pe_BTR], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c_BTc), k_pe_BTR], dim=-1)
 
     def gate_and_project(self, x_BTD: torch.Tensor, o_BTHV: torch.Tensor) -> torch.Tensor:
         """y = (o ⊙ σ(x W_gᵀ)) W_oᵀ: elementwise sigmoid gate per head and channel, then o_proj (steps 9–10)."""
@@ -75,11 +74,11 @@ class GatedMLA(nn.Module):
             cache.latent_BSL[:, ctx.start: ctx.start + T] = latent_BSL
             latent_BSL = cache.latent_BSL[:, : ctx.start + T]
         mask_B1TS = attention_mask(T, ctx.start, ctx.key_valid_BS, x_BTD.device, ctx.document_ids_BT)
-        q_nope_BTHN, q_pe_BTHR = self.project_query(x_BTD)
+        q_nope_BTHK, q_pe_BTHR = self.project_query(x_BTD)
         if cache is not None and self.config.mla_decode == "absorbed" and T <= self.absorbed_max_tokens:
-            o_BTHV = self.attend_absorbed(q_nope_BTHN, q_pe_BTHR, latent_BSL, mask_B1TS)
+            o_BTHV = self.attend_absorbed(q_nope_BTHK, q_pe_BTHR, latent_BSL, mask_B1TS)
         else:
-            o_BTHV = self.attend_expanded(q_nope_BTHN, q_pe_BTHR, latent_BSL, mask_B1TS)
+            o_BTHV = self.attend_expanded(q_nope_BTHK, q_pe_BTHR, latent_BSL, mask_B1TS)
         return self.gate_and_project(x_BTD, o_BTHV)
 
     @property
@@ -93,17 +92,17 @@ class GatedMLA(nn.Module):
             return 2**62  # never more work per pair
         return max(1, C * (N + cfg.v_head_dim) // (2 * (C - N)))
 
-    def attend_expanded(self, q_nope_BTHN: torch.Tensor, q_pe_BTHR: torch.Tensor, latent_BSL: torch.Tensor,
+    def attend_expanded(self, q_nope_BTHK: torch.Tensor, q_pe_BTHR: torch.Tensor, latent_BSL: torch.Tensor,
                         mask_B1TS: torch.Tensor | None) -> torch.Tensor:
         """Expanded MHA (spec §4.2 steps 5–8): keys [k_nope ‖ k_pe broadcast over heads], values from ĉ."""
         cfg = self.config
         B, S, _ = latent_BSL.shape
         H, N = self.num_heads, cfg.qk_nope_head_dim
-        c_BSC, k_pe_BSR = latent_BSL.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        k_nope_BSHN, v_BSHV = self.kv_b_proj(c_BSC).view(B, S, H, -1).split([N, cfg.v_head_dim], dim=-1)
+        c_BSc, k_pe_BSR = latent_BSL.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        k_nope_BSHK, v_BSHV = self.kv_b_proj(c_BSc).view(B, S, H, -1).split([N, cfg.v_head_dim], dim=-1)
         # key = [k_nope ‖ k_pe broadcast over heads]; query = [q_nope ‖ q_pe]; no rotation anywhere
-        key_BSHQ = torch.cat([k_nope_BSHN, k_pe_BSR[:, :, None].expand(B, S, H, -1)], dim=-1)
-        query_BTHQ = torch.cat([q_nope_BTHN, q_pe_BTHR], dim=-1)
+        key_BSHQ = torch.cat([k_nope_BSHK, k_pe_BSR[:, :, None].expand(B, S, H, -1)], dim=-1)
+        query_BTHQ = torch.cat([q_nope_BTHK, q_pe_BTHR], dim=-1)
         # SDPA's fused CPU kernel needs equal q/k and v head dims (else it falls back to materialising all
         # scores): zero-pad v to the qk width and drop the padded output channels (exact)
         pad = query_BTHQ.shape[-1] - v_BSHV.shape[-1]
@@ -112,7 +111,7 @@ class GatedMLA(nn.Module):
             attn_mask=mask_B1TS, is_causal=mask_B1TS is None, scale=self.scale)
         return o_BHTV[..., : v_BSHV.shape[-1]].transpose(1, 2)
 
-    def attend_absorbed(self, q_nope_BTHN: torch.Tensor, q_pe_BTHR: torch.Tensor, latent_BSL: torch.Tensor,
+    def attend_absorbed(self, q_nope_BTHK: torch.Tensor, q_pe_BTHR: torch.Tensor, latent_BSL: torch.Tensor,
                         mask_B1TS: torch.Tensor | None) -> torch.Tensor:
         """MQA over the latent (spec §4.4): W_UK folded into the query, W_UV applied per head after attention.
 
@@ -122,9 +121,9 @@ class GatedMLA(nn.Module):
         """
         cfg = self.config
         C, N, R = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        W_HDC = self.kv_b_proj.weight.view(self.num_heads, N + cfg.v_head_dim, C)
-        W_UK_HNC, W_UV_HVC = W_HDC[:, :N], W_HDC[:, N:]
-        q_BTHL = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope_BTHN, W_UK_HNC), q_pe_BTHR], dim=-1)
+        W_HXc = self.kv_b_proj.weight.view(self.num_heads, N + cfg.v_head_dim, C)
+        W_UK_HKc, W_UV_HVc = W_HXc[:, :N], W_HXc[:, N:]
+        q_BTHL = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope_BTHK, W_UK_HKc), q_pe_BTHR], dim=-1)
         B, T, H, L = q_BTHL.shape
         S = latent_BSL.shape[1]
         if T == 1:
@@ -132,7 +131,7 @@ class GatedMLA(nn.Module):
             if mask_B1TS is not None:
                 scores_BHS = scores_BHS.masked_fill(~mask_B1TS[:, :, 0], float("-inf"))
             p_BHS = torch.softmax(fp32(scores_BHS), dim=-1).to(latent_BSL.dtype)
-            o_lat_BTHC = torch.einsum("bhs,bsc->bhc", p_BHS, latent_BSL[..., :C])[:, None]
+            o_lat_BTHc = torch.einsum("bhs,bsc->bhc", p_BHS, latent_BSL[..., :C])[:, None]
         else:
             q_B1XL = q_BTHL.permute(0, 2, 1, 3).reshape(B, 1, H * T, L)  # X = H·T queries, head-major
             value_B1SL = F.pad(latent_BSL[..., :C], (0, R))[:, None]  # ĉ zero-padded to L: the fused kernel
@@ -141,8 +140,8 @@ class GatedMLA(nn.Module):
             mask_B1XS = mask_B1TS.expand(mask_B1TS.shape[0], H, T, S).reshape(mask_B1TS.shape[0], 1, H * T, S)
             o_B1XL = F.scaled_dot_product_attention(q_B1XL, latent_BSL[:, None], value_B1SL, attn_mask=mask_B1XS,
                                                     scale=self.scale)
-            o_lat_BTHC = o_B1XL[..., :C].view(B, H, T, C).transpose(1, 2)
-        return torch.einsum("bthc,hvc->bthv", o_lat_BTHC, W_UV_HVC)
+            o_lat_BTHc = o_B1XL[..., :C].view(B, H, T, C).transpose(1, 2)
+        return torch.einsum("bthc,hvc->bthv", o_lat_BTHc, W_UV_HVc)
 
 
 def attention_mask(T: int, start: int, key_valid_BS: torch.Tensor | None, device: torch.device,

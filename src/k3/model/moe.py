@@ -1,7 +1,6 @@
 """Stable LatentMoE: router, routed experts in the latent space, shared experts (spec §6.3–§6.7).
 
-Shape legend: N tokens, D hidden, E routed experts, k experts per token, L latent width
-(`routed_expert_hidden_size`), M expert intermediate width, C per-expert token capacity of a batch.
+Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ class MoEGate(KeepFP32):
 class RoutedExperts(nn.Module):
     """All routed experts of a layer, stacked (module `experts`).
 
-    `w1` (gate) and `w3` (up) are [E, M, L], `w2` (down) is [E, L, M]: slice e is expert e's `[out, in]` weight
+    `w1` (gate) and `w3` (up) are [E, F, L], `w2` (down) is [E, L, F]: slice e is expert e's `[out, in]` weight
     (the checkpoint stores them one tensor per expert, spec §11.4).
     """
 
@@ -82,12 +81,12 @@ class RoutedExperts(nn.Module):
         return self._forward_grouped(z_NL, idx_Nk, w_Nk)
 
     def expert(self, e: int | torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """E_e(z) = W2_e · SiTU-GLU(W1_e z, W3_e z); with a tensor of experts `e`, z is [E', C, L] (batched)."""
+        """E_e(z) = W2_e · SiTU-GLU(W1_e z, W3_e z); with a tensor of experts `e`, z is [E', a, L] (batched)."""
         h = glu_activation(self.config, z @ self.w1[e].transpose(-1, -2), z @ self.w3[e].transpose(-1, -2))
         return h @ self.w2[e].transpose(-1, -2)
 
     def _forward_grouped(self, z_NL: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
-        """Tokens grouped by expert into a padded [E', C, L] batch; one batched matmul per weight matrix."""
+        """Tokens grouped by expert into a padded [E', a, L] batch; one batched matmul per weight matrix."""
         N, k = idx_Nk.shape
         expert_A = idx_Nk.flatten()  # A = N·k (token, expert) assignments
         order_A = torch.argsort(expert_A, stable=True)
@@ -96,9 +95,9 @@ class RoutedExperts(nn.Module):
         slot_A = torch.arange(expert_A.numel(), device=z_NL.device) - torch.repeat_interleave(
             torch.cumsum(counts, 0) - counts, counts)  # position of each assignment inside its expert's group
         row_A = torch.repeat_interleave(torch.arange(active.numel(), device=z_NL.device), counts)
-        z_ECL = z_NL.new_zeros(active.numel(), int(counts.max()) if counts.numel() else 0, z_NL.shape[-1])
-        z_ECL[row_A, slot_A] = z_NL[token_A]
-        y_AL = self.expert(active, z_ECL)[row_A, slot_A]
+        z_EaL = z_NL.new_zeros(active.numel(), int(counts.max()) if counts.numel() else 0, z_NL.shape[-1])
+        z_EaL[row_A, slot_A] = z_NL[token_A]
+        y_AL = self.expert(active, z_EaL)[row_A, slot_A]
         return self._combine(y_AL, token_A, weight_A, N)
 
     def _forward_loop(self, z_NL: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:

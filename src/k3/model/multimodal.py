@@ -5,7 +5,7 @@
 cumsum − 1) and runs the merged sequence through the text backbone. Rows whose merged lengths differ are padded on
 the left (zero embeddings, attention mask 0), so every row still ends with its last real token.
 
-Shape legend: B batch, T input tokens, S merged positions, C text hidden size, M media feature rows.
+Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ class K3ForConditionalGeneration(PretrainedMixin, nn.Module):
         """Projected features of each media item, [(h/2)(w/2), C] per item, in `grid_thws` order (§9.1)."""
         patches_ND = self.vision_tower(pixel_values, grid_thws)  # validates pixel_values and grid_thws
         grids = [tuple(g) for g in torch.as_tensor(grid_thws).tolist()]
-        features_MC = self.mm_projector(merge_patches(patches_ND, grids))
-        return list(features_MC.split([(h // 2) * (w // 2) for _, h, w in grids]))
+        features_MD = self.mm_projector(merge_patches(patches_ND, grids))
+        return list(features_MD.split([(h // 2) * (w // 2) for _, h, w in grids]))
 
     def layout(self, input_ids: torch.LongTensor, grid_thws: torch.Tensor | None) -> MergeLayout:
         """Where every input token and media feature row lands in the merged sequence (§9.9)."""
@@ -111,10 +111,10 @@ class K3ForConditionalGeneration(PretrainedMixin, nn.Module):
         padding and added left padding; the mask is None only when no row has padding.
         """
         mask_BT = _token_mask(input_ids, attention_mask)
-        text_embeds_BTC = self.language_model.model.embed_tokens(input_ids.masked_fill(layout.is_media_BT, 0))
-        dtype = features[0].dtype if features else text_embeds_BTC.dtype  # text cast to the projector's dtype
-        text_embeds_BTC = text_embeds_BTC.to(dtype) * mask_BT[..., None].to(dtype)  # padding embeddings zeroed
-        embeds_BSC = layout.expand(text_embeds_BTC, fill=0, media=torch.cat(features) if features else None)
+        text_embeds_BTD = self.language_model.model.embed_tokens(input_ids.masked_fill(layout.is_media_BT, 0))
+        dtype = features[0].dtype if features else text_embeds_BTD.dtype  # text cast to the projector's dtype
+        text_embeds_BTD = text_embeds_BTD.to(dtype) * mask_BT[..., None].to(dtype)  # padding embeddings zeroed
+        embeds_BrD = layout.expand(text_embeds_BTD, fill=0, media=torch.cat(features) if features else None)
         merged_labels = None
         if labels is not None:
             if labels.shape != input_ids.shape:
@@ -122,8 +122,8 @@ class K3ForConditionalGeneration(PretrainedMixin, nn.Module):
                                  f"{tuple(input_ids.shape)}")
             merged_labels = layout.expand(labels.masked_fill(mask_BT == 0, IGNORE_INDEX), fill=IGNORE_INDEX,
                                           media=IGNORE_INDEX)
-        merged_mask_BS = layout.expand(mask_BT, fill=0)
-        return embeds_BSC, merged_labels, merged_mask_BS if bool((merged_mask_BS == 0).any()) else None
+        merged_mask_Br = layout.expand(mask_BT, fill=0)
+        return embeds_BrD, merged_labels, merged_mask_Br if bool((merged_mask_Br == 0).any()) else None
 
     def _check_media(self, input_ids: torch.Tensor, pixel_values, grid_thws) -> None:
         placeholders = int((input_ids == self.media_placeholder_token_id).sum())
@@ -162,6 +162,6 @@ class K3ForConditionalGeneration(PretrainedMixin, nn.Module):
                              f"{tuple(input_ids.shape)} (the model expands it with the media features)")
         features = [] if pixel_values is None else self.encode_media(pixel_values, grid_thws)
         layout = self.layout(input_ids, grid_thws)
-        embeds_BSC, labels_BS, mask_BS = self.merge_inputs(input_ids, features, layout, labels, attention_mask)
-        return self.language_model(inputs_embeds=embeds_BSC, labels=labels_BS, cache=cache, attention_mask=mask_BS,
+        embeds_BrD, labels_Br, mask_Br = self.merge_inputs(input_ids, features, layout, labels, attention_mask)
+        return self.language_model(inputs_embeds=embeds_BrD, labels=labels_Br, cache=cache, attention_mask=mask_Br,
                                    validate=validate)

@@ -24,11 +24,11 @@ def check_labels(labels_BT: torch.Tensor, vocab_size: int) -> None:
                          f"0..{vocab_size - 1} nor the ignore index {IGNORE_INDEX}")
 
 
-def next_token_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-    """Mean fp32 cross-entropy of `logits_BTV` [B, T, V] against `targets_BT` [B, T] (already shifted: position t
+def next_token_loss(logits_BTO: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Mean fp32 cross-entropy of `logits_BTO` [B, T, V] against `targets_BT` [B, T] (already shifted: position t
     is scored on the token of t+1), IGNORE_INDEX skipped. With no scored target at all the loss is defined as 0
     (still connected to the graph, so `backward` works) and a warning is issued."""
     if not bool((targets_BT != IGNORE_INDEX).any()):
         warnings.warn("every label is the ignore index (-100): the loss is 0", stacklevel=3)
-        return logits_BTV.sum().float() * 0.0
-    return F.cross_entropy(fp32(logits_BTV).flatten(0, 1), targets_BT.flatten(), ignore_index=IGNORE_INDEX)
+        return logits_BTO.sum().float() * 0.0
+    return F.cross_entropy(fp32(logits_BTO).flatten(0, 1), targets_BT.flatten(), ignore_index=IGNORE_INDEX)

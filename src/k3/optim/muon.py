@@ -1,6 +1,6 @@
 """Muon with per-block orthogonalisation: NS5, Per-Head / per-expert block views, RMS-matched scale (spec §8.2–§8.4).
 
-Shape legend: A×B one matrix (rows × columns), H heads, P rows (or columns) of one head, s one block's share of P.
+Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 
 A parameter's *block view* says which independent matrices it is made of; each is orthogonalised and scaled on
 its own. Every axis before the last two is a batch axis (routed experts [E, A, B] → E matrices), and the last
@@ -38,18 +38,18 @@ def newton_schulz5(U: torch.Tensor, steps: int = 5, eps: float = 1e-7,
     """
     a, b, c = coefficients
     A, B = U.shape[-2:]
-    X_NAB = U.reshape(-1, A, B)
+    X_Xmn = U.reshape(-1, A, B)
     if A > B:
-        X_NAB = X_NAB.mT
-    X_NAB = X_NAB / (torch.linalg.matrix_norm(X_NAB, keepdim=True) + eps)
-    X_NAB = X_NAB.to(ns_dtype)
+        X_Xmn = X_Xmn.mT
+    X_Xmn = X_Xmn / (torch.linalg.matrix_norm(X_Xmn, keepdim=True) + eps)
+    X_Xmn = X_Xmn.to(ns_dtype)
     for _ in range(steps):
-        G2_NAA = X_NAB @ X_NAB.mT
-        Y_NAA = torch.baddbmm(G2_NAA, G2_NAA, G2_NAA, beta=b, alpha=c)
-        X_NAB = torch.baddbmm(X_NAB, Y_NAA, X_NAB, beta=a)
+        G2_Xmm = X_Xmn @ X_Xmn.mT
+        Y_Xmm = torch.baddbmm(G2_Xmm, G2_Xmm, G2_Xmm, beta=b, alpha=c)
+        X_Xmn = torch.baddbmm(X_Xmn, Y_Xmm, X_Xmn, beta=a)
     if A > B:
-        X_NAB = X_NAB.mT
-    return X_NAB.reshape(U.shape).to(U.dtype)
+        X_Xmn = X_Xmn.mT
+    return X_Xmn.reshape(U.shape).to(U.dtype)
 
 
 def update_scale(rows: int, cols: int, adjust_lr: str = "match_rms_adamw") -> float:
@@ -81,7 +81,7 @@ def block_views(X: torch.Tensor, split: str = "none", split_sizes: Iterable[int]
     if split == "rows":
         return list(X.unflatten(-2, (-1, P)).split(sizes, dim=-2))
     if split == "cols":
-        return [x_AHs.movedim(-2, -3) for x_AHs in X.unflatten(-1, (-1, P)).split(sizes, dim=-1)]
+        return [x_mHd.movedim(-2, -3) for x_mHd in X.unflatten(-1, (-1, P)).split(sizes, dim=-1)]
     raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
 

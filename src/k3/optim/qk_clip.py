@@ -1,7 +1,6 @@
 """QK-Clip for the gated MLA layers (spec §8.6) and a reference per-head max-logit computation.
 
-Shape legend: B batch, T query time, S key time, H heads, N = qk_nope_head_dim, R = qk_rope_head_dim,
-Vh = v_head_dim, C = kv_lora_rank, Q = q_lora_rank, d one head's rows of a weight.
+Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -55,11 +54,11 @@ def qk_clip_(model_or_mla_layers: nn.Module | Mapping[int, GatedMLA], max_logits
         N = cfg.qk_nope_head_dim
         S_max_H = S_max_H.detach().float().to(mla.q_b_proj.weight.device)
         gamma_H = torch.where(S_max_H > tau, tau / S_max_H, torch.ones_like(S_max_H))
-        W_qb_HdQ = mla.q_b_proj.weight.view(mla.num_heads, N + cfg.qk_rope_head_dim, -1)
-        W_kvb_HdC = mla.kv_b_proj.weight.view(mla.num_heads, N + cfg.v_head_dim, -1)
-        _scale_rows_(W_qb_HdQ[:, :N], gamma_H.sqrt())
-        _scale_rows_(W_qb_HdQ[:, N:], gamma_H)
-        _scale_rows_(W_kvb_HdC[:, :N], gamma_H.sqrt())
+        W_qb_Hdq = mla.q_b_proj.weight.view(mla.num_heads, N + cfg.qk_rope_head_dim, -1)
+        W_kvb_Hdc = mla.kv_b_proj.weight.view(mla.num_heads, N + cfg.v_head_dim, -1)
+        _scale_rows_(W_qb_Hdq[:, :N], gamma_H.sqrt())
+        _scale_rows_(W_qb_Hdq[:, N:], gamma_H)
+        _scale_rows_(W_kvb_Hdc[:, :N], gamma_H.sqrt())
         gammas[i] = gamma_H
     return gammas
 
@@ -81,10 +80,10 @@ def mla_max_logits(mla: GatedMLA, x_BTD: torch.Tensor, document_ids_BT: torch.Te
     cfg = mla.config
     B, T, _ = x_BTD.shape
     N, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-    q_nope_BTHN, q_pe_BTHR = mla.project_query(x_BTD)
-    c_BTC, k_pe_BTR = mla.compress_kv(x_BTD).split([cfg.kv_lora_rank, R], dim=-1)
-    k_nope_BTHN = mla.kv_b_proj(c_BTC).view(B, T, mla.num_heads, -1)[..., :N]
-    scores_BHTS = (torch.einsum("bthn,bshn->bhts", fp32(q_nope_BTHN), fp32(k_nope_BTHN))
+    q_nope_BTHK, q_pe_BTHR = mla.project_query(x_BTD)
+    c_BTc, k_pe_BTR = mla.compress_kv(x_BTD).split([cfg.kv_lora_rank, R], dim=-1)
+    k_nope_BTHK = mla.kv_b_proj(c_BTc).view(B, T, mla.num_heads, -1)[..., :N]
+    scores_BHTS = (torch.einsum("bthn,bshn->bhts", fp32(q_nope_BTHK), fp32(k_nope_BTHK))
                    + torch.einsum("bthr,bsr->bhts", fp32(q_pe_BTHR), fp32(k_pe_BTR))) * mla.scale
     valid_BTS = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()[None]
     if document_ids_BT is not None:

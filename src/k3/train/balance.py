@@ -18,7 +18,7 @@ installs the new bias afterwards, so the bias routing a batch never depends on t
 is a `ForwardObserver`: the model reports routing only in training mode (evaluation forwards do not count) and
 never during an activation-checkpointing recomputation, so each token counts once per step (§7.2).
 
-Shape legend: N tokens, E routed experts, k experts per token, B histogram buckets (n_bins + 2).
+Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def margin_histogram(margin_NE: torch.Tensor, n_bins: int, lo: float, hi: float)
     return torch.bincount(flat_NE.flatten(), minlength=E * (n_bins + 2)).view(E, n_bins + 2)
 
 
-def histogram_quantile(hist_EB: torch.Tensor, R: float, lo: float,
+def histogram_quantile(hist_Ei: torch.Tensor, R: float, lo: float,
                        hi: float) -> tuple[torch.Tensor, torch.Tensor]:
     """θ_j such that R margins of expert j lie above it, from `margin_histogram` counts (spec §7.3).
 
@@ -68,13 +68,13 @@ def histogram_quantile(hist_EB: torch.Tensor, R: float, lo: float,
     clamped to the range edge (`hi` or `lo`) and the expert is flagged. Returns (θ float64 [E], clamped bool
     [E]).
     """
-    n_bins = hist_EB.shape[1] - 2
+    n_bins = hist_Ei.shape[1] - 2
     width = (hi - lo) / n_bins
-    desc_EB = hist_EB.flip(-1).double()  # above hi, bins from the top down, below lo
-    cum_EB = desc_EB.cumsum(-1)
-    pos_E1 = (cum_EB < R).sum(-1, keepdim=True)  # first bucket where the count from above reaches R
-    count_E = desc_EB.gather(-1, pos_E1).squeeze(-1)
-    above_E = cum_EB.gather(-1, pos_E1).squeeze(-1) - count_E
+    desc_Ei = hist_Ei.flip(-1).double()  # above hi, bins from the top down, below lo
+    cum_Ei = desc_Ei.cumsum(-1)
+    pos_E1 = (cum_Ei < R).sum(-1, keepdim=True)  # first bucket where the count from above reaches R
+    count_E = desc_Ei.gather(-1, pos_E1).squeeze(-1)
+    above_E = cum_Ei.gather(-1, pos_E1).squeeze(-1) - count_E
     pos_E = pos_E1.squeeze(-1)
     bin_hi_E = lo + (n_bins + 1 - pos_E).double() * width  # upper edge of bin (n_bins − pos), 0-based
     theta_E = bin_hi_E - (R - above_E) / count_E * width
@@ -94,11 +94,11 @@ class _GateStats:
     def __init__(self, name: str, gate: MoEGate):
         self.name, self.gate = name, gate
         self.load_E: torch.Tensor | None = None  # int64: counted tokens routed to each expert
-        self.hist_EB: torch.Tensor | None = None  # qb: `margin_histogram` counts
+        self.hist_Ei: torch.Tensor | None = None  # qb: `margin_histogram` counts
         self.margins: list[torch.Tensor] = []  # qb_exact: the raw margins [N_i, E] of each forward
 
     def reset(self) -> None:
-        self.load_E, self.hist_EB, self.margins = None, None, []
+        self.load_E, self.hist_Ei, self.margins = None, None, []
 
 
 class QuantileBalancer(ForwardObserver):
@@ -178,8 +178,8 @@ class QuantileBalancer(ForwardObserver):
         if self.method == "qb_exact":
             layer.margins.append(margin_NE)
             return
-        hist_EB = margin_histogram(margin_NE, self.n_bins, self.lo, self.hi)
-        layer.hist_EB = hist_EB if layer.hist_EB is None else layer.hist_EB + hist_EB
+        hist_Ei = margin_histogram(margin_NE, self.n_bins, self.lo, self.hi)
+        layer.hist_Ei = hist_Ei if layer.hist_Ei is None else layer.hist_Ei + hist_Ei
 
     # ---------------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -202,8 +202,8 @@ class QuantileBalancer(ForwardObserver):
         E, device = layer.gate.config.num_experts, layer.gate.e_score_correction_bias.device
         if layer.load_E is None:
             layer.load_E = torch.zeros(E, dtype=torch.long, device=device)
-        if self.method == "qb" and layer.hist_EB is None:
-            layer.hist_EB = torch.zeros(E, self.n_bins + 2, dtype=torch.long, device=device)
+        if self.method == "qb" and layer.hist_Ei is None:
+            layer.hist_Ei = torch.zeros(E, self.n_bins + 2, dtype=torch.long, device=device)
 
     def _all_reduce(self) -> None:
         """SUM the loads (and qb histograms) of all layers over the ranks in one collective (spec §7.3)."""
@@ -213,7 +213,7 @@ class QuantileBalancer(ForwardObserver):
             return
         if self.method == "qb_exact":
             raise RuntimeError("qb_exact supports a single process only; use method='qb' for distributed runs")
-        parts = [t for layer in self.layers for t in (layer.load_E, layer.hist_EB) if t is not None]
+        parts = [t for layer in self.layers for t in (layer.load_E, layer.hist_Ei) if t is not None]
         flat = torch.cat([t.flatten() for t in parts])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
         for t, reduced in zip(parts, flat.split([t.numel() for t in parts])):
@@ -231,9 +231,9 @@ class QuantileBalancer(ForwardObserver):
         max_vio = layer.load_E.max() / mean_load - 1
         out_of_range, clamped = nan, 0
         if self.method == "qb":
-            theta_E, clamped_E = histogram_quantile(layer.hist_EB, mean_load, self.lo, self.hi)
+            theta_E, clamped_E = histogram_quantile(layer.hist_Ei, mean_load, self.lo, self.hi)
             clamped = clamped_E.sum()
-            out_of_range = (layer.hist_EB[:, 0] + layer.hist_EB[:, -1]).sum() / (M * E)
+            out_of_range = (layer.hist_Ei[:, 0] + layer.hist_Ei[:, -1]).sum() / (M * E)
         elif self.method == "qb_exact":
             margin_NE = torch.cat(layer.margins)
             theta_E = exact_quantile(margin_NE, k)

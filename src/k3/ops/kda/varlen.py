@@ -58,7 +58,7 @@ def chunk_aligned_layout(document_ids_BT: torch.Tensor, chunk_size: int) -> tupl
     """Where each token goes when every document of a row starts on a chunk boundary.
 
     Returns (new position of each token in its row [B, T], reset_chunks [B, U]: chunk n of row b starts a
-    document). Rows are re-laid to the longest re-laid row, R = N · chunk_size.
+    document). Rows are re-laid to the longest re-laid row, r = U · chunk_size.
     """
     B, T = document_ids_BT.shape
     starts_BT, flat_starts_b, lengths_b = document_starts(document_ids_BT)

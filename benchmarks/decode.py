@@ -1,17 +1,17 @@
-"""Benchmark of cached decoding: cache size, context length, absorbed vs expanded MLA (spec §2.4, §4.4).
+"""Benchmark of cached decoding: cache size, context length, absorbed vs expanded MLA (docs/architecture.md §2.4, §4.4).
 
 k3-tiny and k3-small, random init, fp32 on CPU, B=1, under `torch.no_grad()`. For each preset one cache is
 filled by a chunked prefill and extended context by context (1K, 8K, 32K, 64K; --quick: 1K, 8K). At every
 context reached:
 
 * per-token decode latency: median over DECODE_STEPS one-token steps after one warm-up step, with the MLA
-  layers in the absorbed form (MQA over the latent, spec §4.4) and in the expanded form (spec §4.2). Each step
+  layers in the absorbed form (MQA over the latent, §4.4) and in the expanded form (§4.2). Each step
   runs in both forms from the same cache state (paired), so both see the same tokens and the same machine
   load; their logits are compared and the expanded/absorbed ratio is the median of the per-step ratios;
 * the time spent in the KDA and in the MLA `self_attn` sublayers of those steps (forward hooks): KDA keeps a
-  fixed-size state (spec §3.7), so its per-token cost must stay flat while MLA's grows with the context;
+  fixed-size state (§3.7), so its per-token cost must stay flat while MLA's grows with the context;
 * cache bytes: growth of `K3Cache.nbytes()` per decoded token and the fixed KDA state, against
-  `accounting.cache_sizes` (spec §2.4) with the actual dtype size;
+  `accounting.cache_sizes` (§2.4) with the actual dtype size;
 * at 1K and 8K: one cached decode step against recomputing the whole forward without a cache.
 
 Prefill time is not the measurement, but its throughput is reported. A context whose prefill would take the
@@ -271,7 +271,7 @@ def main():
         append_rows += a
     print()
 
-    print("Decode latency, ms per token (absorbed = MQA over the latent, spec §4.4; expanded = MHA, spec §4.2);"
+    print("Decode latency, ms per token (absorbed = MQA over the latent, §4.4; expanded = MHA, §4.2);"
           " KDA / MLA attn = time inside the `self_attn` of all KDA / all MLA layers; other = the rest"
           " (FFN/MoE, AttnRes, lm_head)")
     print_table(["preset", "context", "prefill tok/s", "absorbed ms", "expanded ms", "expanded/absorbed",

@@ -1,4 +1,4 @@
-"""Benchmark of the KDA core: chunk_kda vs recurrent_kda on CPU in fp32 (spec §3.4, §3.5).
+"""Benchmark of the KDA core: chunk_kda vs recurrent_kda on CPU in fp32 (docs/architecture.md §3.4, §3.5).
 
 B=1, H=4, K=V=128, T ∈ {1024, 4096, 16384} (--quick: up to 4096); forward (no grad) and forward+backward.
 Every measurement runs in a fresh process, so the reported peak RSS belongs to that measurement alone.
@@ -35,7 +35,7 @@ def make_inputs(T, requires_grad):
     q_BTHK = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     k_BTHK = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     v_BTHV = torch.randn(B, T, H, V, generator=gen)
-    g_BTHK = -5 * torch.sigmoid(3 * torch.randn(B, T, H, K, generator=gen))  # K3 bounded gate (spec §3.3)
+    g_BTHK = -5 * torch.sigmoid(3 * torch.randn(B, T, H, K, generator=gen))  # K3 bounded gate (§3.3)
     beta_BTH = torch.rand(B, T, H, generator=gen)
     return [x.requires_grad_(requires_grad) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH)]
 

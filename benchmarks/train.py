@@ -1,7 +1,7 @@
 """Benchmark of one training step: throughput, achieved FLOP/s against the fp32 matmul peak, and where the time goes.
 
 k3-tiny (B×T = 8×256) and k3-small (4×256), random init, fp32 on CPU, synthetic random tokens packed as 2–3
-documents per row (`document_ids`), no data download. Each step is `Trainer.train_step` itself (spec §7.6):
+documents per row (`document_ids`), no data download. Each step is `Trainer.train_step` itself (docs/architecture.md §7.6):
 forward with document_ids (the QuantileBalancer and the QK-Clip max-logit recorder observe it through the
 model's observer channel) → backward → gradient clipping → Muon (ns_dtype=float32, as the trainer uses on CPU) +
 AdamW → QK-Clip → QuantileBalancer.step. Only the data source differs from `k3 train`: `SyntheticTrainer`

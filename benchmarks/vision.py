@@ -1,4 +1,4 @@
-"""Benchmark of the MoonViT-V2 encoder: packed vs one-at-a-time encoding of mixed-size images (spec §9.6).
+"""Benchmark of the MoonViT-V2 encoder: packed vs one-at-a-time encoding of mixed-size images (docs/architecture.md §9.6).
 
 Native-resolution packing runs all patches of a batch of images as one stream: every linear layer (wqkv, wo,
 MLP) and the patch conv see one big [N, D] matrix, and only attention is split per image (block-diagonal).

@@ -1,12 +1,12 @@
 """Autoregressive text generation with the K3 caches: one prefill call, then one decode call per token.
 
 The prefill runs the whole prompt through the chunked/expanded paths and fills the caches; each later step feeds
-one token, so KDA layers take the recurrent decode step (spec §3.7) and MLA layers attend over the cached latent
-(spec §4.3, §4.4). AttnRes and the MoE are stateless across tokens (spec App. A). Left-padded prompts are
-supported through `attention_mask` (spec §3.8): the cache remembers which prompt positions are padding, so the
+one token, so KDA layers take the recurrent decode step (§3.7) and MLA layers attend over the cached latent
+(§4.3, §4.4). AttnRes and the MoE are stateless across tokens (App. A). Left-padded prompts are
+supported through `attention_mask` (§3.8): the cache remembers which prompt positions are padding, so the
 decode steps need no mask.
 
-Sampling (not part of the model spec): temperature 0 is greedy; otherwise the logits are divided by the
+Sampling (not part of the model): temperature 0 is greedy; otherwise the logits are divided by the
 temperature in fp32, filtered by top-k and then top-p (nucleus), and one token is drawn from the softmax.
 
 Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.

@@ -1,6 +1,6 @@
-"""Parameter, FLOP and cache accounting (spec §2).
+"""Parameter, FLOP and cache accounting (docs/architecture.md §2).
 
-Counting convention (spec §2.2): *total* counts every stored text tensor (parameters and the router's
+Counting convention (§2.2): *total* counts every stored text tensor (parameters and the router's
 persistent `e_score_correction_bias`), both vocabulary matrices included; *activated* counts what one token
 touches, excluding the input-embedding table and the unselected routed experts.
 """
@@ -71,7 +71,7 @@ def count_parameters(model: nn.Module, config: K3Config) -> ParamCount:
 
 @dataclass
 class CacheSizes:
-    """Inference cache/state sizes (spec §2.4): MLA latent in the activation dtype, KDA state in fp32."""
+    """Inference cache/state sizes (§2.4): MLA latent in the activation dtype, KDA state in fp32."""
 
     mla_numbers_per_token: int  # over all MLA layers
     mla_bytes_per_token: int
@@ -93,7 +93,7 @@ def cache_sizes(config: K3Config, activation_bytes: int = 2) -> CacheSizes:
 
 
 def forward_flops_per_token(config: K3Config, params: ParamCount, context: int) -> int:
-    """Forward FLOPs of one token at a given context (spec §2.2): 2 per activated matmul weight, plus MLA
+    """Forward FLOPs of one token at a given context (§2.2): 2 per activated matmul weight, plus MLA
     attention 2·H·(qk + v) per (query, key) pair over the causal prefix, plus the chunked KDA core."""
     matmul = 2 * (params.activated_params - params.activated["norms_attn_res"])
     H, Hk, d, C = config.num_attention_heads, config.kda_num_heads, config.kda_head_dim, config.kda_chunk_size

@@ -1,4 +1,4 @@
-"""Block Attention Residuals: the depth-mixing operator (spec §5.1, §5.3, §5.5).
+"""Block Attention Residuals: the depth-mixing operator (§5.1, §5.3, §5.5).
 
 Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
@@ -13,7 +13,7 @@ from k3.ops.precision import fp32
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
-    """MIX(V; γ, w) = Σ_i softmax_i(key(V_i)·(γ⊙w)) · V_i with key(V) = V/sqrt(mean(V²)+ε) (spec §5.1).
+    """MIX(V; γ, w) = Σ_i softmax_i(key(V_i)·(γ⊙w)) · V_i with key(V) = V/sqrt(mean(V²)+ε) (§5.1).
 
     γ = `norm.weight` (a `*_res_norm` gain, [D]); w = `proj.weight[0]` (a `*_res_proj` pseudo-query, a bias-free
     `Linear(D, 1)`, zero-initialised so every mix starts as the mean of its sources). Keys are normalised,

@@ -1,4 +1,4 @@
-"""Inference caches (spec §2.4, §3.7, §4.3, §5.6).
+"""Inference caches (§2.4, §3.7, §4.3, §5.6).
 
 KDA layers keep a fixed-size state per sequence: the fp32 recurrent state S [B,H,K,V] and the last W−1
 projected, pre-conv inputs of q, k and v. MLA layers keep only the compressed latent [ĉ ‖ k_pe]

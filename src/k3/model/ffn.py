@@ -1,4 +1,4 @@
-"""The configured gated activation and the SiTU MLP used by the dense layer 0 and the shared experts (spec §6.1, §6.2, §6.5)."""
+"""The configured gated activation and the SiTU MLP used by the dense layer 0 and the shared experts (docs/architecture.md §6.1, §6.2, §6.5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The K3 text model: decoder layers with Block AttnRes, `K3Model`, `K3ForCausalLM` (spec §1.4, §5.3, App. A).
+"""The K3 text model: decoder layers with Block AttnRes, `K3Model`, `K3ForCausalLM` (§1.4, §5.3, App. A).
 
 Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
@@ -32,7 +32,7 @@ class CausalLMOutput:
 
 
 class K3DecoderLayer(nn.Module):
-    """Decoder layer i: KDA or MLA by the schedule, dense FFN or Stable LatentMoE, AttnRes mixes (spec §5.3)."""
+    """Decoder layer i: KDA or MLA by the schedule, dense FFN or Stable LatentMoE, AttnRes mixes (§5.3)."""
 
     def __init__(self, config: K3Config, layer_idx: int):
         super().__init__()
@@ -57,7 +57,7 @@ class K3DecoderLayer(nn.Module):
 
     def forward(self, cur_BTD: torch.Tensor, bank: list[torch.Tensor], cache: KDACache | MLACache | None = None,
                 ctx: StepContext | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One step of spec §5.3. `cur` is the running partial sum of the current block (the embedding before
+        """One step of §5.3. `cur` is the running partial sum of the current block (the embedding before
         layer 0); `bank` the completed sources [b₀ = embedding, b₁, …]. Returns the new (cur, bank).
         `cache` reaches the sequence mixer only (AttnRes and the FFN are per token); `ctx` also carries the
         call's training observers to the router."""
@@ -91,7 +91,7 @@ class K3Model(Observable, nn.Module):
                 attention_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states [B, T, D] after `model.norm`, for the new tokens only when a cache is given.
-        `inputs_embeds` [B, T, D] replaces the embedding lookup (media features merged in, spec §9.9)."""
+        `inputs_embeds` [B, T, D] replaces the embedding lookup (media features merged in, §9.9)."""
         cur_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = cur_BTD.shape[:2]
         ctx = step_context(cache, B, T, attention_mask, cur_BTD.device, document_ids)
@@ -123,7 +123,7 @@ class K3ForCausalLM(PretrainedMixin, nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """From-scratch init (spec §3.9, §4.5, §5.5, §6.7): N(0, initializer_range²) for every matrix, norm
+        """From-scratch init (§3.9, §4.5, §5.5, §6.7): N(0, initializer_range²) for every matrix, norm
         gains 1, AttnRes pseudo-queries 0, router bias 0, KDA gate/conv parameters as in §3.9."""
         std = self.config.initializer_range
         for name, module in self.named_modules():

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (spec §3.1–§3.3, §3.9).
+"""Kimi Delta Attention layer (§3.1–§3.3, §3.9).
 
 Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
@@ -21,7 +21,7 @@ from k3.ops.kda.varlen import chunk_kda_by_document, kda_by_document
 
 def kda_decay(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor,
               lower_bound: float | None) -> torch.Tensor:
-    """Per-channel log-decay g < 0 in fp32 (spec §3.3).
+    """Per-channel log-decay g < 0 in fp32 (§3.3).
 
     bounded (K3):   g = λ·σ(exp(A_log)·(f + dt_bias)),  λ = gate_lower_bound
     softplus form:  g = −exp(A_log)·softplus(f + dt_bias)
@@ -35,10 +35,10 @@ def kda_decay(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Ten
 
 def short_conv(x_BTP: torch.Tensor, weight_P1W: torch.Tensor, context_BWP: torch.Tensor | None = None,
                document_ids_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal depthwise conv + SiLU in fp32, cast back (spec §3.2 step 2, §3.7); tap W−1 is the current token.
+    """Causal depthwise conv + SiLU in fp32, cast back (§3.2 step 2, §3.7); tap W−1 is the current token.
 
     `context` holds the W−1 inputs before x (zeros for a fresh sequence). With `document_ids`, a tap never
-    reads an input of another document (packed rows, spec §3.8). Returns (output [B,T,P], the last W−1
+    reads an input of another document (packed rows, §3.8). Returns (output [B,T,P], the last W−1
     inputs [B,W−1,P] = the context of the next call).
     """
     W = weight_P1W.shape[-1]
@@ -88,7 +88,7 @@ class KimiDeltaAttention(KeepFP32):
 
     @torch.no_grad()
     def reset_kda_parameters(self) -> None:
-        """Gate and conv init of spec §3.9 (the Linear layers are initialised by the model)."""
+        """Gate and conv init of §3.9 (the Linear layers are initialised by the model)."""
         self.A_log.zero_()
         # dt = exp(U(ln 1e-3, ln 1e-1)) clamped ≥ 1e-4; dt_bias = inverse-softplus(dt) = dt + ln(−expm1(−dt))
         u = torch.rand_like(self.dt_bias)
@@ -105,13 +105,13 @@ class KimiDeltaAttention(KeepFP32):
 
     def forward(self, x_BTD: torch.Tensor, cache: KDACache | None = None,
                 ctx: StepContext | None = None) -> torch.Tensor:
-        """x is the `input_layernorm` output; returns the layer output [B, T, D] (spec §3.2).
+        """x is the `input_layernorm` output; returns the layer output [B, T, D] (§3.2).
 
         With a cache, the conv windows and the recurrent state continue from it and are updated in place; a
-        one-token call uses the recurrent form, longer calls the chunked one (spec §3.7). With
+        one-token call uses the recurrent form, longer calls the chunked one (§3.7). With
         `ctx.document_ids_BT` (packed rows) the conv window and the state restart at every document. Padding tokens
         (`ctx.valid_BT` false) enter neither the conv windows (their inputs are zeroed, like the zero context
-        of a fresh sequence) nor the state (identity steps: k = 0, g = 0, β = 0; spec §3.8).
+        of a fresh sequence) nor the state (identity steps: k = 0, g = 0, β = 0; §3.8).
         """
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim

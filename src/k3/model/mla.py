@@ -1,4 +1,4 @@
-"""Gated NoPE multi-head latent attention, expanded form (spec §4.1, §4.2, §4.5).
+"""Gated NoPE multi-head latent attention, expanded form (§4.1, §4.2, §4.5).
 
 Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
@@ -14,7 +14,7 @@ from k3.model.cache import MLACache, StepContext
 from k3.ops.norm import RMSNorm
 from k3.ops.precision import fp32
 
-MLA_LORA_NORM_EPS = 1e-6  # spec §0.5: class default of the reference RMSNorm; the config's eps is not passed
+MLA_LORA_NORM_EPS = 1e-6  # §0.5: class default of the reference RMSNorm; the config's eps is not passed
 
 
 class GatedMLA(nn.Module):
@@ -45,7 +45,7 @@ class GatedMLA(nn.Module):
         return q_BTHQ.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
 
     def compress_kv(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """The 576-number latent per token: [ĉ = RMSNorm_{1e-6}(c) ‖ raw k_pe] (steps 3–4, spec §4.3)."""
+        """The 576-number latent per token: [ĉ = RMSNorm_{1e-6}(c) ‖ raw k_pe] (steps 3–4, §4.3)."""
         c_BTc, k_pe_BTR = self.kv_a_proj_with_mqa(x_BTD).split(
             [self.config.kv_lora_rank, self.config.qk_rope_head_dim], dim=-1)
         return torch.cat([self.kv_a_layernorm(c_BTc), k_pe_BTR], dim=-1)
@@ -62,11 +62,11 @@ class GatedMLA(nn.Module):
         """Causal attention of the new tokens over the cached and new ones; x is the `input_layernorm` output.
 
         Only the latent [ĉ ‖ k_pe] is cached. Cached calls of at most `absorbed_max_tokens` new tokens (decode
-        steps, short chunks) use the absorbed form (spec §4.4) unless `mla_decode = "expanded"`; training and
-        longer prefill chunks use the expanded form (spec §4.2).
+        steps, short chunks) use the absorbed form (§4.4) unless `mla_decode = "expanded"`; training and
+        longer prefill chunks use the expanded form (§4.2).
         """
         ctx = ctx or StepContext()
-        for observer in ctx.observers:  # QK-Clip's max logits (spec §8.6)
+        for observer in ctx.observers:  # QK-Clip's max logits (§8.6)
             observer.on_attention(self, x_BTD.detach(), ctx.document_ids_BT)
         T = x_BTD.shape[1]
         latent_BSL = self.compress_kv(x_BTD)
@@ -94,7 +94,7 @@ class GatedMLA(nn.Module):
 
     def attend_expanded(self, q_nope_BTHK: torch.Tensor, q_pe_BTHR: torch.Tensor, latent_BSL: torch.Tensor,
                         mask_B1TS: torch.Tensor | None) -> torch.Tensor:
-        """Expanded MHA (spec §4.2 steps 5–8): keys [k_nope ‖ k_pe broadcast over heads], values from ĉ."""
+        """Expanded MHA (§4.2 steps 5–8): keys [k_nope ‖ k_pe broadcast over heads], values from ĉ."""
         cfg = self.config
         B, S, _ = latent_BSL.shape
         H, N = self.num_heads, cfg.qk_nope_head_dim
@@ -113,7 +113,7 @@ class GatedMLA(nn.Module):
 
     def attend_absorbed(self, q_nope_BTHK: torch.Tensor, q_pe_BTHR: torch.Tensor, latent_BSL: torch.Tensor,
                         mask_B1TS: torch.Tensor | None) -> torch.Tensor:
-        """MQA over the latent (spec §4.4): W_UK folded into the query, W_UV applied per head after attention.
+        """MQA over the latent (§4.4): W_UK folded into the query, W_UV applied per head after attention.
 
         score = [W_UKᵀ q_nope ‖ q_pe] · [ĉ ‖ k_pe] / sqrt(N + R); o = W_UV (Σ_s p_s ĉ_s). The latent is one key/value
         head shared by all heads, so the heads are folded into the query axis and the latent is read once: a
@@ -147,7 +147,7 @@ class GatedMLA(nn.Module):
 def attention_mask(T: int, start: int, key_valid_BS: torch.Tensor | None, device: torch.device,
                    document_ids_BT: torch.Tensor | None = None) -> torch.Tensor | None:
     """Boolean [B|1, 1, T, start+T] mask: new token t sees positions ≤ start+t that are real tokens of its own
-    document (packed rows, spec §3.8).
+    document (packed rows, §3.8).
 
     A padding query also sees itself, so no softmax row is empty (its output is discarded anyway). Returns None
     for a fresh, unpadded, unpacked sequence (plain causal attention).

@@ -1,4 +1,4 @@
-"""Stable LatentMoE: router, routed experts in the latent space, shared experts (spec §6.3–§6.7).
+"""Stable LatentMoE: router, routed experts in the latent space, shared experts (§6.3–§6.7).
 
 Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
@@ -16,13 +16,13 @@ from k3.ops.precision import KeepFP32, fp32
 
 
 class MoEGate(KeepFP32):
-    """Sigmoid router on the full-width input (module `gate`, spec §6.3).
+    """Sigmoid router on the full-width input (module `gate`, §6.3).
 
     `e_score_correction_bias` (fp32 buffer, written only by load balancing) is added to the sigmoid scores for
     expert *selection*; the weights come from the unbiased scores, renormalised, times `routed_scaling_factor`.
 
     Every forward reports its routing to the call's training observers (`ForwardObserver.on_routing`: load
-    balancing, spec §7.2), if any.
+    balancing, §7.2), if any.
     """
 
 
@@ -49,7 +49,7 @@ class MoEGate(KeepFP32):
         return idx_Nk, w_Nk * cfg.routed_scaling_factor
 
     def _limit_groups(self, choice_NE: torch.Tensor) -> torch.Tensor:
-        """Group-limited routing (spec §6.3 step 4): keep the `topk_group` groups with the best top-2 sums."""
+        """Group-limited routing (§6.3 step 4): keep the `topk_group` groups with the best top-2 sums."""
         cfg = self.config
         N = choice_NE.shape[0]
         grouped_NGe = choice_NE.view(N, cfg.num_expert_group, -1)
@@ -63,7 +63,7 @@ class RoutedExperts(nn.Module):
     """All routed experts of a layer, stacked (module `experts`).
 
     `w1` (gate) and `w3` (up) are [E, F, L], `w2` (down) is [E, L, F]: slice e is expert e's `[out, in]` weight
-    (the checkpoint stores them one tensor per expert, spec §11.4).
+    (the checkpoint stores them one tensor per expert, §11.4).
     """
 
     def __init__(self, config: K3Config):
@@ -101,7 +101,7 @@ class RoutedExperts(nn.Module):
         return self._combine(y_AL, token_A, weight_A, N)
 
     def _forward_loop(self, z_NL: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
-        """Reference: one expert at a time over the tokens that chose it (spec §6.7)."""
+        """Reference: one expert at a time over the tokens that chose it (§6.7)."""
         token_parts, y_parts, w_parts = [], [], []
         for e in range(self.config.num_experts):
             token_A, slot_A = torch.nonzero(idx_Nk == e, as_tuple=True)
@@ -113,7 +113,7 @@ class RoutedExperts(nn.Module):
 
     @staticmethod
     def _combine(y_AL: torch.Tensor, token_A: torch.Tensor, weight_A: torch.Tensor, N: int) -> torch.Tensor:
-        """Σ over each token's assignments of weight · expert output, accumulated in fp32 (spec §6.4 step 3)."""
+        """Σ over each token's assignments of weight · expert output, accumulated in fp32 (§6.4 step 3)."""
         dtype = y_AL.dtype
         y_AL = fp32(y_AL)
         r_NL = y_AL.new_zeros(N, y_AL.shape[-1])
@@ -122,7 +122,7 @@ class RoutedExperts(nn.Module):
 
 
 class StableLatentMoE(nn.Module):
-    """MoE(x) = up(RMSNorm(Σ_e w_e·E_e(down(x)))) + Shared(x) (module `block_sparse_moe`, spec §6.6)."""
+    """MoE(x) = up(RMSNorm(Σ_e w_e·E_e(down(x)))) + Shared(x) (module `block_sparse_moe`, §6.6)."""
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -135,7 +135,7 @@ class StableLatentMoE(nn.Module):
         if config.latent_moe_use_norm:
             self.routed_expert_norm = RMSNorm(L, eps=config.rms_norm_eps)
         if config.num_shared_experts:
-            # the shared experts are stored merged as one MLP of width num_shared·M (spec §6.5)
+            # the shared experts are stored merged as one MLP of width num_shared·M (§6.5)
             self.shared_experts = SiTUMLP(config, D, config.num_shared_experts * config.moe_intermediate_size)
 
     def forward(self, x_BTD: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:

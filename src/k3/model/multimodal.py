@@ -1,4 +1,4 @@
-"""Multimodal K3: MoonViT-V2 + merger + projector feeding the text backbone (spec §9.1, §9.9, §11).
+"""Multimodal K3: MoonViT-V2 + merger + projector feeding the text backbone (§9.1, §9.9, §11).
 
 `input_ids` hold ONE `<|media_pad|>` placeholder per media item; the model expands each to that item's
 (h/2)(w/2) projected features (per-position occupancy 1 for text, n_item for a placeholder; new position =

@@ -1,4 +1,4 @@
-"""Normalisations (spec §0.2, §0.4, §0.5).
+"""Normalisations (docs/architecture.md §0.2, §0.4, §0.5).
 
 RMSNorm keeps its statistics in fp32: normalise in fp32, round to the activation dtype, then multiply by the
 gain. L2Norm puts ε inside the square root (it is not `F.normalize`).
@@ -19,7 +19,7 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(Σ_c x_c² + ε) in fp32 (spec §0.2; KDA q/k use ε = 1e-6)."""
+    """x / sqrt(Σ_c x_c² + ε) in fp32 (§0.2; KDA q/k use ε = 1e-6)."""
     x = fp32(x)
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
     """RMSNorm_{w,ε}(x) = w ⊙ x / sqrt(mean(x²) + ε); statistics in fp32, gain applied in the input dtype.
 
     `eps=None` follows `torch.nn.RMSNorm`: ε is the machine epsilon of the input dtype (2⁻⁷ for bf16, 1.19e-7
-    for fp32) — the MoonViT-V2 norms of the released code (spec §9.4, §13 row 10)."""
+    for fp32) — the MoonViT-V2 norms of the released code (§9.4, §13 row 10)."""
 
     def __init__(self, dim: int, eps: float | None):
         super().__init__()

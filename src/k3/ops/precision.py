@@ -1,4 +1,4 @@
-"""Parameters that stay float32 whatever the model dtype (spec §0.4)."""
+"""Parameters that stay float32 whatever the model dtype (docs/architecture.md §0.4)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 FP32_TENSORS = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight",
                 "e_score_correction_bias")
-"""Tensors stored and used in fp32 whatever the model dtype (spec §0.4): KDA `A_log`, `dt_bias`, the three
+"""Tensors stored and used in fp32 whatever the model dtype (§0.4): KDA `A_log`, `dt_bias`, the three
 short-conv weights and `o_norm` (only KDA has an `o_norm`), and the router's `e_score_correction_bias`."""
 
 
@@ -20,7 +20,7 @@ def is_fp32_tensor(name: str) -> bool:
 
 
 def fp32(x: torch.Tensor) -> torch.Tensor:
-    """x for an "in fp32" computation of spec §0.4: half precision is upcast, fp32 and float64 are kept (so a
+    """x for an "in fp32" computation of §0.4: half precision is upcast, fp32 and float64 are kept (so a
     float64 model is a true float64 reference)."""
     return x.float() if x.dtype in HALF_DTYPES else x
 

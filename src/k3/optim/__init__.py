@@ -1,4 +1,4 @@
-"""Training-time optimisation: Per-Head Muon + AdamW partition, QK-Clip, learning-rate schedules (spec §8)."""
+"""Training-time optimisation: Per-Head Muon + AdamW partition, QK-Clip, learning-rate schedules (docs/architecture.md §8)."""
 
 from k3.optim.groups import build_param_groups, make_optimizers
 from k3.optim.muon import Muon, newton_schulz5, orthogonalized_update

@@ -1,4 +1,4 @@
-"""Parameter partition into Muon block views and AdamW groups (spec §8.1, §8.4, §8.5, §13 items 3–5).
+"""Parameter partition into Muon block views and AdamW groups (docs/architecture.md §8.1, §8.4, §8.5, §13 items 3–5).
 
 Every trainable parameter lands in exactly one named group:
 
@@ -14,7 +14,7 @@ Every trainable parameter lands in exactly one named group:
   RMSNorm gain), "res_proj" (AttnRes pseudo-queries [1, D]), "A_log", "dt_bias", and "router" when
   `router="adamw"`. Categories in `no_decay` get weight decay 0, the others `weight_decay`.
 
-Vision (spec §9, §13 items 3 and 5): MoonViT-V2 `wqkv` is Muon per head ("vit_qkv": q, k and v rows of each head,
+Vision (§9, §13 items 3 and 5): MoonViT-V2 `wqkv` is Muon per head ("vit_qkv": q, k and v rows of each head,
 scope "qkv" and wider); `wo`, the MLP and the projector linears are Muon "matrix"; the patch conv and the
 position table are AdamW "vision_input" (with weight decay); ViT and projector norm gains are "norm".
 
@@ -39,9 +39,9 @@ from k3.ops.norm import RMSNorm
 from k3.optim.muon import Muon
 
 PER_HEAD_SCOPES = ("qkv", "qkv+o+gates", "none")
-DEFAULT_NO_DECAY = ("norm", "res_proj", "A_log", "dt_bias")  # spec §8.5 / §13.5
+DEFAULT_NO_DECAY = ("norm", "res_proj", "A_log", "dt_bias")  # §8.5 / §13.5
 ADAMW_BETAS = (0.9, 0.95)
-ADAMW_EPS = 1e-8  # spec §0.5
+ADAMW_EPS = 1e-8  # §0.5
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -49,11 +49,11 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def build_param_groups(model: nn.Module, config: K3Config, lr: float, weight_decay: float = 0.1,
                        per_head_scope: str = "qkv", router: str = "muon", kv_b_blocks: str = "k_v",
                        no_decay: Collection[str] = DEFAULT_NO_DECAY) -> tuple[list[dict], list[dict]]:
-    """(Muon groups, AdamW groups) for `model` (a `K3ForCausalLM` or `K3Model`), spec §8.1.
+    """(Muon groups, AdamW groups) for `model` (a `K3ForCausalLM` or `K3Model`), §8.1.
 
     Each group is a dict with "name", "params" (a list of (qualified name, parameter) pairs, so the optimisers
     record `param_names`), "lr", "weight_decay"; Muon groups also carry their block view ("split",
-    "split_sizes", spec §8.4). `kv_b_blocks`: "k_v" (per head one K and one V block, default) or "head" (one
+    "split_sizes", §8.4). `kv_b_blocks`: "k_v" (per head one K and one V block, default) or "head" (one
     [N + Vh, C] block per head). Raises if a parameter has no rule or is not in exactly one group.
     """
     if per_head_scope not in PER_HEAD_SCOPES:
@@ -92,7 +92,7 @@ def make_optimizers(model: nn.Module, config: K3Config, lr: float, weight_decay:
                     no_decay: Collection[str] = DEFAULT_NO_DECAY, ns_dtype: torch.dtype = torch.bfloat16,
                     **muon_options: Any) -> tuple[Muon, torch.optim.AdamW]:
     """The K3 optimiser pair: `Muon` over the Muon groups and AdamW (β = (0.9, 0.95), ε = 1e-8) over the rest
-    (spec §8.2, §8.5), both at learning rate `lr`. `muon_options` are further `Muon` defaults (momentum,
+    (§8.2, §8.5), both at learning rate `lr`. `muon_options` are further `Muon` defaults (momentum,
     nesterov, adjust_lr, ...)."""
     muon_groups, adamw_groups = build_param_groups(model, config, lr, weight_decay, per_head_scope, router,
                                                    kv_b_blocks, no_decay)
@@ -140,7 +140,7 @@ def _classify(config: K3Config, module_name: str, module: nn.Module, local_name:
 
 def _per_head_view(config: K3Config, layer_type: str, leaf: str, per_head_scope: str,
                    kv_b_blocks: str) -> tuple[str, str, tuple[int, ...]] | None:
-    """(group name, split, one head's block sizes) of an attention projection, None if whole (spec §8.4)."""
+    """(group name, split, one head's block sizes) of an attention projection, None if whole (§8.4)."""
     if per_head_scope == "none":
         return None
     K = config.kda_head_dim
@@ -158,7 +158,7 @@ def _per_head_view(config: K3Config, layer_type: str, leaf: str, per_head_scope:
 
 
 def _check_mixer_type(config: K3Config, module_name: str, module: nn.Module) -> None:
-    """The sequence mixer of decoder layer i must be the kind the config schedule says (spec §0.3)."""
+    """The sequence mixer of decoder layer i must be the kind the config schedule says (§0.3)."""
     layer = _LAYER_RE.search(module_name)
     if layer is None:
         return

@@ -1,4 +1,4 @@
-"""Muon with per-block orthogonalisation: NS5, Per-Head / per-expert block views, RMS-matched scale (spec §8.2–§8.4).
+"""Muon with per-block orthogonalisation: NS5, Per-Head / per-expert block views, RMS-matched scale (§8.2–§8.4).
 
 Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-NS5_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # spec §8.3 (a, b, c)
+NS5_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # §8.3 (a, b, c)
 SPLITS = ("none", "rows", "cols")
 ADJUST_LR = ("match_rms_adamw", "original")
 
@@ -29,10 +29,10 @@ ADJUST_LR = ("match_rms_adamw", "original")
 def newton_schulz5(U: torch.Tensor, steps: int = 5, eps: float = 1e-7,
                    coefficients: tuple[float, float, float] = NS5_COEFFICIENTS,
                    ns_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Approximate orthogonal polar factor of every matrix of U [..., A, B] (spec §8.3), batched.
+    """Approximate orthogonal polar factor of every matrix of U [..., A, B] (§8.3), batched.
 
     Each matrix is transposed to its wide orientation if A > B, divided by (its own Frobenius norm + eps) in
-    U's precision, then iterated `steps` times in `ns_dtype` (bf16 per spec; fp32 in reference mode):
+    U's precision, then iterated `steps` times in `ns_dtype` (bf16 as in §8.3; fp32 in reference mode):
     G₂ = X Xᵀ, X ← a·X + (b·G₂ + c·G₂G₂)·X. Returns U's shape and dtype; singular values end up roughly in
     [0.5, 1.5], not at 1.
     """
@@ -53,7 +53,7 @@ def newton_schulz5(U: torch.Tensor, steps: int = 5, eps: float = 1e-7,
 
 
 def update_scale(rows: int, cols: int, adjust_lr: str = "match_rms_adamw") -> float:
-    """Step multiplier of one orthogonalised block (spec §8.2 step 4).
+    """Step multiplier of one orthogonalised block (§8.2 step 4).
 
     "match_rms_adamw" (Moonlight RMS matching, default): 0.2·sqrt(max(A, B)), update RMS ≈ 0.2 like AdamW;
     "original" (K. Jordan's Muon): sqrt(max(1, A/B)).
@@ -66,7 +66,7 @@ def update_scale(rows: int, cols: int, adjust_lr: str = "match_rms_adamw") -> fl
 
 
 def block_views(X: torch.Tensor, split: str = "none", split_sizes: Iterable[int] = ()) -> list[torch.Tensor]:
-    """Views of X's independent matrices, one batched view [..., A', B'] per block shape (spec §8.4).
+    """Views of X's independent matrices, one batched view [..., A', B'] per block shape (§8.4).
 
     "rows": X [..., H·P, B] → for each size s of `split_sizes`, the view [..., H, s, B] of every head's s-row
     block; "cols": X [..., A, H·P] → [..., H, A, s]. Equal sizes form a single batch (sizes (128, 128) are
@@ -87,7 +87,7 @@ def block_views(X: torch.Tensor, split: str = "none", split_sizes: Iterable[int]
 
 def orthogonalized_update(U: torch.Tensor, split: str = "none", split_sizes: Iterable[int] = (),
                           adjust_lr: str = "match_rms_adamw", **ns_options: Any) -> torch.Tensor:
-    """scale(block) · NS5(U_block) for every block of U's view, assembled in U's layout (spec §8.2–§8.4).
+    """scale(block) · NS5(U_block) for every block of U's view, assembled in U's layout (§8.2–§8.4).
 
     Each block is normalised by its own Frobenius norm and scaled by its own shape. `ns_options` go to
     `newton_schulz5` (steps, eps, coefficients, ns_dtype).
@@ -99,7 +99,7 @@ def orthogonalized_update(U: torch.Tensor, split: str = "none", split_sizes: Ite
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon with momentum, Nesterov, NS5 per block, RMS-matched scale and decoupled weight decay (spec §8.2).
+    """Muon with momentum, Nesterov, NS5 per block, RMS-matched scale and decoupled weight decay (§8.2).
 
     Per parameter W with gradient G, in the group's block view (module docstring):
 
@@ -141,7 +141,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One Muon step for every parameter with a gradient (spec §8.2)."""
+        """One Muon step for every parameter with a gradient (§8.2)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -1,4 +1,4 @@
-"""QK-Clip for the gated MLA layers (spec §8.6) and a reference per-head max-logit computation.
+"""QK-Clip for the gated MLA layers (§8.6) and a reference per-head max-logit computation.
 
 Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
@@ -31,7 +31,7 @@ def mla_layers(model: nn.Module) -> dict[int, GatedMLA]:
 @torch.no_grad()
 def qk_clip_(model_or_mla_layers: nn.Module | Mapping[int, GatedMLA], max_logits: Mapping[int, torch.Tensor],
              tau: float = 100.0) -> dict[int, torch.Tensor]:
-    """Rescale the MLA query/key weights of every head whose max logit exceeded τ, in place (spec §8.6).
+    """Rescale the MLA query/key weights of every head whose max logit exceeded τ, in place (§8.6).
 
     `max_logits[i]` [H] is S_max of MLA layer i for this step: the largest pre-softmax logit (already scaled by
     1/sqrt(N + R)) over all valid causal pairs of all micro-batches, all-reduced (MAX) across data-parallel
@@ -70,7 +70,7 @@ def _scale_rows_(W_HdX: torch.Tensor, factor_H: torch.Tensor) -> None:
 
 @torch.no_grad()
 def mla_max_logits(mla: GatedMLA, x_BTD: torch.Tensor, document_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-head max pre-softmax logit [H] (fp32) of one MLA layer on its input x (spec §8.6 step 1).
+    """Per-head max pre-softmax logit [H] (fp32) of one MLA layer on its input x (§8.6 step 1).
 
     x is the layer's `input_layernorm` output [B, T, D]. Logits are [q_nope ‖ q_pe]·[k_nope ‖ k_pe] / sqrt(N + R)
     over causal pairs (key ≤ query), within a document when `document_ids_BT` (packed rows) is given; the max
@@ -93,7 +93,7 @@ def mla_max_logits(mla: GatedMLA, x_BTD: torch.Tensor, document_ids_BT: torch.Te
 
 class MaxLogitRecorder(ForwardObserver):
     """Collects, from the training forwards of a step, the per-head max logit of every MLA layer of `model`
-    (spec §8.6 step 1; attach with `K3Model.add_observer`). `pop()` returns {layer: [H]} and starts afresh."""
+    (§8.6 step 1; attach with `K3Model.add_observer`). `pop()` returns {layer: [H]} and starts afresh."""
 
     def __init__(self, model: nn.Module):
         self._layer_of = {id(mla): i for i, mla in mla_layers(model).items()}

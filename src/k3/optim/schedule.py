@@ -1,4 +1,4 @@
-"""Learning-rate schedules: K3's cosine with linear warm-up, and WSD (spec §8.7).
+"""Learning-rate schedules: K3's cosine with linear warm-up, and WSD (docs/architecture.md §8.7).
 
 `step` t counts the optimiser steps already taken (0 for the first step). Both schedules are proportional to
 `peak_lr`, so with `peak_lr=1.0` they are `torch.optim.lr_scheduler.LambdaLR` factors:
@@ -6,7 +6,7 @@
     LambdaLR(optimizer, functools.partial(cosine_with_warmup, total_steps=T, peak_lr=1.0))
 
 scales each group's initial lr; `set_lr` instead writes one absolute lr into every group of several optimisers
-(Muon and AdamW share the schedule, spec §8.5).
+(Muon and AdamW share the schedule, §8.5).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 def cosine_with_warmup(step: int, total_steps: int, peak_lr: float, min_lr_ratio: float = 0.1,
                        warmup_frac: float = 0.01) -> float:
-    """K3's schedule (spec §8.7): with t_w = max(1, round(warmup_frac·T)) warm-up steps,
+    """K3's schedule (§8.7): with t_w = max(1, round(warmup_frac·T)) warm-up steps,
 
         lr = peak·t/t_w                                           for t < t_w,
         lr = min + ½(peak − min)(1 + cos(π (t − t_w)/(T − t_w)))   for t_w ≤ t ≤ T,  min = min_lr_ratio·peak,
@@ -36,7 +36,7 @@ def cosine_with_warmup(step: int, total_steps: int, peak_lr: float, min_lr_ratio
 
 def wsd(step: int, total_steps: int, peak_lr: float, warmup_steps: int, decay_frac: float = 0.1,
         min_lr_ratio: float = 0.1, decay: str = "cosine") -> float:
-    """Warm-up / stable / decay (spec §8.7, K2's schedule): peak·t/warmup_steps while t < warmup_steps, then
+    """Warm-up / stable / decay (§8.7, K2's schedule): peak·t/warmup_steps while t < warmup_steps, then
     peak until the decay phase, which covers the last round(decay_frac·T) steps and ends at
     min = min_lr_ratio·peak at t = T ("cosine": half cosine; "linear": straight line); min after T."""
     if decay not in ("cosine", "linear"):

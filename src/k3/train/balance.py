@@ -1,10 +1,10 @@
-"""Quantile Balancing: the training-time update of the router biases (spec §7).
+"""Quantile Balancing: the training-time update of the router biases (§7).
 
 Every MoE router adds a bias b (`MoEGate.e_score_correction_bias`) to its sigmoid scores for expert selection
-only (spec §6.3). `QuantileBalancer` re-solves b once per optimiser step so that every expert receives
-Mk/E of the step's M counted tokens (spec §7.1–§7.3), or applies one of the alternatives of §7.4.
+only (§6.3). `QuantileBalancer` re-solves b once per optimiser step so that every expert receives
+Mk/E of the step's M counted tokens (§7.1–§7.3), or applies one of the alternatives of §7.4.
 
-Use in a training step (spec §7.6)::
+Use in a training step (§7.6)::
 
     balancer = QuantileBalancer(model)                # observes every MoEGate of the model (k3.model.observer)
     for input_ids, attention_mask, labels in micro_batches:
@@ -47,7 +47,7 @@ class LayerBalanceMetrics:
 
 
 def margin_histogram(margin_NE: torch.Tensor, n_bins: int, lo: float, hi: float) -> torch.Tensor:
-    """Per-expert counts of the margins, int64 [E, B] with B = n_bins + 2 (spec §7.3).
+    """Per-expert counts of the margins, int64 [E, B] with B = n_bins + 2 (§7.3).
 
     Column 0 counts margins below `lo`, columns 1..n_bins the equal-width bins of [lo, hi), the last column
     margins at or above `hi`.
@@ -60,7 +60,7 @@ def margin_histogram(margin_NE: torch.Tensor, n_bins: int, lo: float, hi: float)
 
 def histogram_quantile(hist_Ei: torch.Tensor, R: float, lo: float,
                        hi: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """θ_j such that R margins of expert j lie above it, from `margin_histogram` counts (spec §7.3).
+    """θ_j such that R margins of expert j lie above it, from `margin_histogram` counts (§7.3).
 
     Walks the buckets from the top (above-`hi` overflow first) to the first one where the count from above
     reaches R > 0 and interpolates linearly inside that bin: θ = e_hi − (R − count_above) / count · width
@@ -83,13 +83,13 @@ def histogram_quantile(hist_Ei: torch.Tensor, R: float, lo: float,
 
 
 def exact_quantile(margin_NE: torch.Tensor, k: int) -> torch.Tensor:
-    """θ_j = the (⌊Nk/E⌋ + 1)-th largest margin of expert j (spec §7.3 exact mode), float64 [E]."""
+    """θ_j = the (⌊Nk/E⌋ + 1)-th largest margin of expert j (§7.3 exact mode), float64 [E]."""
     N, E = margin_NE.shape
     return margin_NE.topk(N * k // E + 1, dim=0).values[-1].double()
 
 
 class _GateStats:
-    """What one gate accumulates during the forwards of a step (transient: zero at step start, spec §7.3)."""
+    """What one gate accumulates during the forwards of a step (transient: zero at step start, §7.3)."""
 
     def __init__(self, name: str, gate: MoEGate):
         self.name, self.gate = name, gate
@@ -102,7 +102,7 @@ class _GateStats:
 
 
 class QuantileBalancer(ForwardObserver):
-    """Router-bias load balancing for every `MoEGate` of a model (spec §7; `balancer ∈ {qb, qb_exact, sign,
+    """Router-bias load balancing for every `MoEGate` of a model (§7; `balancer ∈ {qb, qb_exact, sign,
     none}` of §7.4).
 
     * `qb` (default): per-expert margin histograms over [lo, hi] with `n_bins` bins plus two overflow
@@ -133,7 +133,7 @@ class QuantileBalancer(ForwardObserver):
             if cfg.num_experts_per_token >= cfg.num_experts:
                 raise ValueError(f"{layer.name}: balancing needs k < E (k={cfg.num_experts_per_token}, "
                                  f"E={cfg.num_experts})")
-            assert not bias.requires_grad, "the router bias must never receive gradients (spec §6.3)"
+            assert not bias.requires_grad, "the router bias must never receive gradients (§6.3)"
         self._by_gate = {id(layer.gate): layer for layer in self.layers}
         self._hosts = attach(self, model)
         self._mask_N: torch.Tensor | None = None
@@ -141,7 +141,7 @@ class QuantileBalancer(ForwardObserver):
 
     # ------------------------------------------------------------------------------------ forwards
     def set_token_mask(self, mask: torch.Tensor | None) -> None:
-        """Mark which tokens of the following forwards are counted (spec §6.7, §7.2).
+        """Mark which tokens of the following forwards are counted (§6.7, §7.2).
 
         `mask` is [B, T] (e.g. the `attention_mask`) or [N]: nonzero / True = real token, 0 / False = padding.
         A MoE layer sees its input [B, T, D] flattened to N = B·T rows in that order. The mask holds for every
@@ -185,7 +185,7 @@ class QuantileBalancer(ForwardObserver):
     @torch.no_grad()
     def step(self) -> dict[str, LayerBalanceMetrics]:
         """Solve, centre and install the new biases from this step's statistics; call after the optimiser step
-        (spec §7.6). Returns the §7.5 metrics per gate (module name), also kept in `self.metrics`.
+        (§7.6). Returns the §7.5 metrics per gate (module name), also kept in `self.metrics`.
 
         A layer that counted no token keeps its bias (its metrics are NaN). The statistics are reset.
         """
@@ -206,7 +206,7 @@ class QuantileBalancer(ForwardObserver):
             layer.hist_Ei = torch.zeros(E, self.n_bins + 2, dtype=torch.long, device=device)
 
     def _all_reduce(self) -> None:
-        """SUM the loads (and qb histograms) of all layers over the ranks in one collective (spec §7.3)."""
+        """SUM the loads (and qb histograms) of all layers over the ranks in one collective (§7.3)."""
         for layer in self.layers:
             self._fill_missing(layer)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.group) == 1:
@@ -248,7 +248,7 @@ class QuantileBalancer(ForwardObserver):
 
     # ----------------------------------------------------------------------------------- lifecycle
     def state_dict(self) -> dict:
-        """Empty: the biases live in the model's state dict and the statistics are transient (spec §7.3)."""
+        """Empty: the biases live in the model's state dict and the statistics are transient (§7.3)."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention core (spec §3.4–§3.6).
+"""Kimi Delta Attention core (docs/architecture.md §3.4–§3.6).
 
 `recurrent_kda` is the token-by-token reference (and the one-token decode path); `chunk_kda` is the
 chunkwise-parallel algorithm used for every multi-token call. Both share one signature and return

@@ -1,4 +1,4 @@
-"""Chunkwise-parallel Kimi Delta Attention (spec §3.5) with the numerically safe rules of spec §3.6.
+"""Chunkwise-parallel Kimi Delta Attention (§3.5) with the numerically safe rules of §3.6.
 
 Everything that does not depend on the state (decays, A, the triangular solve, W, U) is computed for all chunks
 at once; only the state recursion (§3.5 steps 4 and 7) is a loop over chunks.
@@ -14,17 +14,17 @@ import torch.nn.functional as F
 
 from k3.ops.kda.naive import prepare_inputs
 
-SUB_CHUNK = 16  # secondary chunking (spec §3.6): the C×C intra-chunk matrices are built from Z×Z blocks
+SUB_CHUNK = 16  # secondary chunking (§3.6): the C×C intra-chunk matrices are built from Z×Z blocks
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64,
               reset_chunks=None):
-    """KDA over whole chunks of `chunk_size` tokens (spec §3.5); same contract as `recurrent_kda`.
+    """KDA over whole chunks of `chunk_size` tokens (§3.5); same contract as `recurrent_kda`.
 
     q, k [B,T,H,K] (already L2-normalised), v [B,T,H,V], g [B,T,H,K] per-channel log-decay (≤ 0, any
     magnitude), beta [B,T,H] in (0, 1), initial_state [B,H,K,V] (key-major) or None for zeros.
     `reset_chunks` [B, U] bool (U = ⌈T / chunk_size⌉): the state entering chunk n is zero, i.e. a new sequence
-    starts there (packed documents laid out on chunk boundaries, spec §3.8; see `varlen.chunk_kda_by_document`).
+    starts there (packed documents laid out on chunk boundaries, §3.8; see `varlen.chunk_kda_by_document`).
     Returns (o [B,T,H,V] in q.dtype, final state [B,H,K,V] in the compute dtype, or None).
     """
     if not isinstance(chunk_size, int) or chunk_size <= 0:
@@ -86,7 +86,7 @@ def _score_factors(k_BHUCK, g_BHUCK, Z):
     Secondary chunking in Z×Z blocks. Off-diagonal blocks (j in an earlier sub-chunk than r) factor through
     the anchor a = first row of r's sub-chunk, j < a ≤ r: e^{b_r − b_j} = e^{b_r − b_a} · e^{b_a − b_j}, both
     exponents ≤ 0, so the blocks become matmuls. Diagonal blocks use the exact pairwise e^{b_r − b_j}
-    (spec §13 #16), formed for the causal pairs only. No excluded pair reaches exp with a positive exponent
+    (§13 #16), formed for the causal pairs only. No excluded pair reaches exp with a positive exponent
     (it is −inf or never formed), so values and gradients stay finite for unbounded gates. Exponents are sums
     of the g in between, not differences of the chunk cumsum b, which lose fp32 digits.
 
@@ -122,7 +122,7 @@ def _decayed_scores(x_BHUCK, factors):
 
 
 def _wy_representation(A_BHUCC, beta_k_decayed_BHUCK, beta_v_BHUCV):
-    """W = T·Diag(β)·(e^b ⊙ K) and U = T·Diag(β)·V with T = (I + A)⁻¹ (spec §3.5 steps 2–3).
+    """W = T·Diag(β)·(e^b ⊙ K) and U = T·Diag(β)·V with T = (I + A)⁻¹ (§3.5 steps 2–3).
 
     A unit-lower-triangular solve, i.e. forward substitution (never a Neumann/repeated-squaring inverse, §3.6).
     """
@@ -134,7 +134,7 @@ def _wy_representation(A_BHUCC, beta_k_decayed_BHUCK, beta_v_BHUCV):
 
 
 def _scan_chunks(S_BHKV, W_BHUCK, U_BHUCV, k_to_end_BHUCK, decay_end_BHU1K, keep_BU=None):
-    """The sequential part (spec §3.5 steps 4 and 7), one chunk at a time; `keep_BU` false zeroes the state
+    """The sequential part (§3.5 steps 4 and 7), one chunk at a time; `keep_BU` false zeroes the state
     entering that chunk (a new sequence starts there).
 
     Returns the state entering every chunk [B,H,U,K,V], the pseudo-values Ũ [B,H,U,C,V] and the final state.

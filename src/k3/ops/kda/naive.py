@@ -1,7 +1,7 @@
-"""Reference Kimi Delta Attention: the plain token-by-token recurrence (spec §3.4).
+"""Reference Kimi Delta Attention: the plain token-by-token recurrence (§3.4).
 
 Also holds the argument checks and the dtype rule shared by both KDA ops: everything is computed in fp32
-(spec §0.4), or in float64 when the inputs are float64 (used by tests for tight comparisons).
+(§0.4), or in float64 when the inputs are float64 (used by tests for tight comparisons).
 """
 # Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 
@@ -29,7 +29,7 @@ def check_inputs(q, k, v, g, beta, initial_state):
 
 
 def prepare_inputs(q, k, v, g, beta, scale, initial_state):
-    """Check shapes and cast to the compute dtype (spec §0.4).
+    """Check shapes and cast to the compute dtype (§0.4).
 
     Returns (scale·q, k, v, g, beta, S_BHKV); scale=None means K**-0.5, initial_state=None means zeros.
     """
@@ -45,7 +45,7 @@ def prepare_inputs(q, k, v, g, beta, scale, initial_state):
 
 
 def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
-    """KDA one token at a time, exactly in the order of spec §3.4 (the reference for `chunk_kda`).
+    """KDA one token at a time, exactly in the order of §3.4 (the reference for `chunk_kda`).
 
     q, k [B,T,H,K] (already L2-normalised), v [B,T,H,V], g [B,T,H,K] per-channel log-decay (≤ 0),
     beta [B,T,H] in (0, 1), initial_state [B,H,K,V] (key-major) or None for zeros.

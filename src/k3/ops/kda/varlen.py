@@ -1,4 +1,4 @@
-"""KDA over packed documents (spec §3.8): every document starts from a zero state.
+"""KDA over packed documents (§3.8): every document starts from a zero state.
 
 A packed batch marks documents with `document_ids` [B, T] (non-decreasing within a row; equal ids = one
 document). Two layouts, both padded with identity steps (q = k = v = 0, g = 0, β = 0, exactly like the chunk

@@ -19,7 +19,8 @@ LAYERS = [
     {"model"},
     {"inference", "optim"},
     {"train", "parallel"},
-    {"cli", "__main__"},
+    {"cli"},
+    {"__main__"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 import pytest
 import torch
@@ -222,3 +224,119 @@ def test_full_size_vision_counts_on_meta():
     assert shapes["encoder.blocks.26.wqkv.weight"] == (4608, 1024)
     assert shapes["encoder.blocks.26.wo.weight"] == (1024, 1536)
     assert len(shapes) == 2 + 27 * 6 + 1  # no buffers: the time embedding and RoPE tables are not stored
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memory-bounded attention: query chunks per item (a 12 MP photo is one item of 62,208 patches)
+
+
+def unchunked_attention(q_NHK, k_NHK, v_NHK, lengths):
+    """The previous implementation: one SDPA call per item on 3-D [H, L, K] inputs (math kernel, L × L scores)."""
+    outs = []
+    for q, k, v in zip(*(t.split(lengths) for t in (q_NHK, k_NHK, v_NHK))):
+        outs.append(F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+                    .transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("backend", ["default", "math"])
+def test_chunked_attention_matches_unchunked(backend):
+    """Chunked == one call per item in float64 (≤ 1e-12), on the fused and on the math kernel: packed items of 24, 4,
+    72 (a 3-frame video chunk) and 16 patches, the 72-patch item in chunks of 1, 5, 7, 11, 13 or 72 rows (the others
+    in proportionally larger ones, mostly not dividing their length), and one row per call (max_scores = 1)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from k3.vision.moonvit import block_diagonal_attention
+
+    lengths = [t * h * w for t, h, w in GRIDS]
+    H, K = 4, 8
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), H, K, generator=gen, dtype=torch.float64) for _ in range(3))
+    expected = unchunked_attention(q, k, v, lengths)
+    longest = max(lengths)
+    with sdpa_kernel(SDPBackend.MATH) if backend == "math" else contextlib.nullcontext():
+        for rows in (1, 5, 7, 11, 13, longest):
+            got = block_diagonal_attention(q, k, v, lengths, max_scores=H * longest * rows)
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+        torch.testing.assert_close(block_diagonal_attention(q, k, v, lengths, max_scores=1), expected,
+                                   rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="max_scores"):
+        block_diagonal_attention(q, k, v, lengths, max_scores=0)
+
+
+def test_chunked_encoder_matches_the_naive_layer_and_packing(vit, monkeypatch):
+    """With tiny chunks forced through MAX_SCORES_PER_CALL the whole encoder is unchanged (2D RoPE, block-diagonal
+    per item, float64 ≤ 1e-12)."""
+    from k3.vision import moonvit
+
+    pixels, grids = random_media(GRIDS, seed=3)
+    pixels = pixels.double()
+    reference = vit(pixels, grids)
+    grid_list = [tuple(g) for g in GRIDS]
+    x = torch.randn(pixels.shape[0], 24, dtype=torch.float64)
+    angles = rope_2d_angles(grid_list, vit.config.head_dim)
+    lengths = [t * h * w for t, h, w in grid_list]
+    block = vit.encoder.blocks[0]
+    monkeypatch.setattr(moonvit, "MAX_SCORES_PER_CALL", 4 * 72 * 5)  # 5-row chunks of the 72-patch video item
+    torch.testing.assert_close(vit(pixels, grids), reference, rtol=0, atol=1e-12)
+    torch.testing.assert_close(block(x, lengths, angles), naive_block(block, x, grid_list), rtol=0, atol=1e-12)
+
+
+def test_attention_scores_per_call_are_bounded_for_a_large_item(monkeypatch):
+    """One 20,000-patch item: no SDPA call sees more than MAX_SCORES_PER_CALL scores (H·rows·L), and together the
+    calls cover every query once. The old path asked for one call of 4·20,000² = 1.6·10⁹ scores (6.4 GB fp32)."""
+    from k3.vision import moonvit
+
+    calls = []
+
+    def spy(q, k, v, *args, **kwargs):  # records the score-matrix size; returns zeros instead of computing
+        calls.append((q.shape[-3] if q.dim() > 2 else 1, q.shape[-2], k.shape[-2]))
+        return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    vit = tiny_vit(dtype=torch.float32)
+    block = vit.encoder.blocks[0]
+    grids = [(1, 100, 200), (1, 2, 2)]
+    N = 20_004
+    with torch.no_grad():
+        out = block.attention(torch.randn(N, 24), [20_000, 4], rope_2d_angles(grids, vit.config.head_dim))
+    assert out.shape == (N, 24)
+    assert max(heads * rows * keys for heads, rows, keys in calls) <= moonvit.MAX_SCORES_PER_CALL
+    assert sum(rows for _, rows, keys in calls if keys == 20_000) == 20_000
+    assert [(rows, keys) for _, rows, keys in calls if keys == 4] == [(4, 4)]
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="samples the resident set from /proc")
+def test_large_item_attention_peak_memory_is_linear(monkeypatch):
+    """One attention over a 20,000-patch item (1 head, fp32) while a thread samples the resident set every ms:
+    it grows by < 200 MB (the old path held 20,000² fp32 scores = 1.6 GB, then their softmax)."""
+    import threading
+
+    from k3.vision import moonvit
+
+    monkeypatch.setattr(moonvit, "MAX_SCORES_PER_CALL", 2 ** 22)  # ≤ 16 MiB of fp32 scores even on the math kernel
+    vit = tiny_vit(dtype=torch.float32, vt_num_attention_heads=1, qkv_hidden_size=8)
+    x, angles = torch.randn(20_000, 24), rope_2d_angles([(1, 100, 200)], 8)
+    baseline, peak, done = _rss_bytes(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            done.wait(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with torch.no_grad():
+            out = vit.encoder.blocks[0].attention(x, [20_000], angles)
+    finally:
+        done.set()
+        sampler.join()
+    assert out.shape == (20_000, 24) and torch.isfinite(out).all()
+    grown_mb = (max(peak[0], _rss_bytes()) - baseline) / 2 ** 20
+    assert grown_mb < 200, f"resident memory grew by {grown_mb:.0f} MB"

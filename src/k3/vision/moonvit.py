@@ -2,7 +2,9 @@
 
 All patches of all media items of a batch run as one packed stream (native resolution, no padding between items);
 `grid_thws` [I, 3] gives each item's (t, h, w) patch grid, and attention is block-diagonal per item: different
-images never attend to each other, the ≤ 4 frames of one video chunk attend jointly.
+images never attend to each other, the ≤ 4 frames of one video chunk attend jointly. Each item's attention runs
+in query chunks (`block_diagonal_attention`), so memory stays linear in its patch count (a 12 MP photo is one item
+of 62,208 patches).
 
 Shape legend: N packed patches, I media items, D ViT width, H heads, K head dim, P patch side, F MLP width.
 """
@@ -123,6 +125,37 @@ def apply_rope_2d(x_NHK: torch.Tensor, angles_NK2: torch.Tensor) -> torch.Tensor
     return torch.view_as_real(rotated).flatten(-2).to(x_NHK.dtype)
 
 
+MAX_SCORES_PER_CALL = 2 ** 28  # attention scores one SDPA call may hold: 1 GiB in fp32 if it falls back to math
+
+
+def block_diagonal_attention(q_NHK: torch.Tensor, k_NHK: torch.Tensor, v_NHK: torch.Tensor, lengths: Sequence[int],
+                             max_scores: int | None = None) -> torch.Tensor:
+    """Softmax attention within each item of the packed stream (items of `lengths` patches) → [N, H, K].
+
+    Memory is linear in the item's length L, never O(L²): each item's queries go to
+    `F.scaled_dot_product_attention` in chunks of ⌊max_scores / (H·L)⌋ rows (at least 1; max_scores defaults to
+    MAX_SCORES_PER_CALL), so a call holds at most max(max_scores, H·L) scores at a time even where SDPA uses its
+    math kernel, which materialises them (CPU with 3-D inputs, CUDA float64, ...). Inputs are passed 4-D
+    [1, H, rows, K], the layout the fused kernels (CPU flash, CUDA flash / memory-efficient) accept, which never
+    materialise the scores. Softmax is per query row, so the chunks give the unchunked result up to floating-point
+    rounding (§9.4 numerics unchanged). A 4032×3024 photo is one item of 62,208 patches, whose unchunked fp32
+    scores would take 15.5 GB per head. (With autograd, the math kernel keeps every chunk's probabilities for the
+    backward pass; the fused kernels keep only a log-sum-exp per row.)
+    """
+    max_scores = MAX_SCORES_PER_CALL if max_scores is None else max_scores
+    if not isinstance(max_scores, int) or max_scores < 1:
+        raise ValueError(f"max_scores must be a positive integer, got {max_scores!r}")
+    outs = []
+    for q, k, v in zip(*(t.split(list(lengths)) for t in (q_NHK, k_NHK, v_NHK))):  # block-diagonal per item
+        q_1HLK, k_1HLK, v_1HLK = (t.transpose(0, 1)[None] for t in (q, k, v))
+        heads, length = q_1HLK.shape[1], q_1HLK.shape[2]
+        rows = max(1, max_scores // (heads * length))
+        for start in range(0, length, rows):
+            out_1HRK = F.scaled_dot_product_attention(q_1HLK[:, :, start:start + rows], k_1HLK, v_1HLK)
+            outs.append(out_1HRK[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
 class VisionMLP(nn.Module):
     """fc1(GELU_tanh(fc0(x))), no biases (`mlp_type = mlp2`, §9.4)."""
 
@@ -154,11 +187,7 @@ class EncoderBlock(nn.Module):
         q_NHK = apply_rope_2d(qkv_N3HK[:, 0], angles_NK2)
         k_NHK = apply_rope_2d(qkv_N3HK[:, 1], angles_NK2)
         v_NHK = qkv_N3HK[:, 2]
-        outs = []
-        for q, k, v in zip(*(t.split(list(lengths)) for t in (q_NHK, k_NHK, v_NHK))):  # block-diagonal per item
-            outs.append(F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-                        .transpose(0, 1))
-        return self.wo(torch.cat(outs).flatten(1))
+        return self.wo(block_diagonal_attention(q_NHK, k_NHK, v_NHK, lengths).flatten(1))
 
     def forward(self, x_ND: torch.Tensor, lengths: Sequence[int], angles_NK2: torch.Tensor) -> torch.Tensor:
         x_ND = x_ND + self.attention(self.norm0(x_ND), lengths, angles_NK2)

@@ -1,0 +1,1 @@
+"""Scale-out: parallelism applied from outside the model (mesh, FSDP2, expert parallelism, planning)."""

@@ -1,0 +1,207 @@
+"""The analytic training-memory planner (`k3.parallel.plan`): exact per-rank shard sizes, the optimiser-state
+split, activations, all-to-all volume, mesh validation and the printed report."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from k3.config import K3Config
+from k3.model import K3ForCausalLM
+from k3.model.accounting import count_parameters
+from k3.parallel.plan import (GIB, KINDS, USABLE_FRACTION, format_plan, layer_activations, parameter_census, plan)
+
+
+@pytest.fixture(scope="module")
+def full():
+    return K3Config.from_preset("k3-full")
+
+
+def row_numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape[1:])
+
+
+def test_census_matches_a_real_model():
+    """The meta-device skeleton has exactly the tensors of a real K3ForCausalLM: names, shapes, optimiser kinds."""
+    config = K3Config.from_preset("k3-tiny")
+    torch.manual_seed(0)
+    model = K3ForCausalLM(config)
+    planned, real = parameter_census(config), parameter_census(config, model)
+    assert planned == real
+    assert {t.name for t in planned} == set(model.state_dict())
+    params = sum(t.numel for t in planned if t.kind != "buffer")
+    buffers = sum(t.numel for t in planned if t.kind == "buffer")
+    assert params + buffers == count_parameters(model, config).total_params
+    assert {t.kind for t in planned} == {*KINDS, "buffer"}
+
+
+def test_k3_full_rank_holds_what_the_scale_out_note_measured(full):
+    """Design-note dry run (W = 1024, ep = 64, efsdp = 16): rank 0 holds 3.10B parameters. That run used FSDP2's
+    default Shard(0) on the experts: ceil(14 / 16) = 1 whole expert per layer and tensor (2 of 16 ranks empty)."""
+    note = plan(full, 1024, 141, ep=64, expert_sharding="experts")
+    assert (note.dp, note.efsdp, note.expert_placement) == (1024, 16, "Shard(0)")
+    assert note.params_per_rank == pytest.approx(3.10e9, rel=0.01)
+    M, L = full.moe_intermediate_size, full.routed_expert_hidden_size
+    assert note.expert_params_per_rank == 92 * 3 * M * L
+    # the default layout switches to Shard(1) since efsdp = 16 > 14 experts: exactly 14/16 of an expert per tensor
+    auto = plan(full, 1024, 141, ep=64)
+    assert auto.expert_placement == "Shard(1)"
+    assert auto.expert_params_per_rank * 16 == 92 * 3 * 14 * M * L
+    assert auto.dense_params_per_rank == note.dense_params_per_rank
+    assert auto.total_params == 2_779_484_476_000 - 92 * 896  # §2.2 total less the router-bias buffers
+
+
+@pytest.mark.parametrize("gpus,ep,sharding", [(1024, 64, "auto"), (1024, 64, "experts"), (256, 64, "auto"),
+                                              (512, 16, "rows"), (1024, 8, "auto"), (64, 64, "auto")])
+def test_expert_shards_cover_all_experts_within_one_expert(full, gpus, ep, sharding):
+    p = plan(full, gpus, 141, ep=ep, expert_sharding=sharding)
+    assert p.ep * p.efsdp == p.dp == gpus
+    covered = p.expert_params_per_rank * p.ep * p.efsdp
+    assert covered >= p.total_expert_params
+    expert_tensors = 3 * sum(full.is_moe_layer(i) for i in range(full.num_hidden_layers))
+    one_expert_each = expert_tensors * full.moe_intermediate_size * full.routed_expert_hidden_size
+    assert p.expert_params_per_rank - p.total_expert_params / (p.ep * p.efsdp) < one_expert_each
+    assert p.groups["muon_experts"].params == p.expert_params_per_rank
+
+
+@pytest.mark.parametrize("preset,gpus,ep", [("k3-full", 1024, 64), ("k3-small", 24, 8), ("k3-tiny", 7, 1)])
+def test_dense_shards_cover_all_dense_within_one_row_per_tensor(preset, gpus, ep):
+    config = K3Config.from_preset(preset)
+    p = plan(config, gpus, 80, ep=ep)
+    dense = [t for t in parameter_census(config) if t.kind not in ("muon_experts", "buffer")]
+    assert sum(t.numel for t in dense) == p.total_dense_params
+    assert p.dense_params_per_rank * p.dp >= p.total_dense_params
+    assert p.dense_params_per_rank - p.total_dense_params / p.dp <= sum(row_numel(t.shape) for t in dense)
+    # uneven tensors show: rank 0 holds a whole row of a [1, D] AttnRes query and ceil(rows/dp) of the others
+    exact = sum(-(-t.shape[0] // p.dp) * row_numel(t.shape) for t in dense)
+    assert p.dense_params_per_rank == exact
+
+
+def test_state_bytes_per_optimiser_kind(full):
+    p = plan(full, 1024, 141, ep=64)
+    for kind in KINDS:
+        g = p.groups[kind]
+        assert g.weight_bytes == g.grad_bytes == 4 * g.params
+        assert g.optimizer_bytes == (8 if kind == "adamw" else 4) * g.params
+    assert sum(g.params for g in p.groups.values()) == p.params_per_rank
+    assert p.buffer_bytes == 4 * 92 * 896  # replicated fp32 router bias
+    assert p.total_bytes == p.state_bytes + p.buffer_bytes + p.activation_bytes + p.fsdp_buffer_bytes
+
+
+def test_all_to_all_moves_the_latent(full):
+    p = plan(full, 1024, 141, ep=64, micro_batch=1, seq_len=8192)
+    tokens_out = 8192 * 16 * 63 // 64  # routed copies that leave the rank
+    assert p.all_to_all_bytes == 4 * 92 * tokens_out * 3584 * 2
+    assert p.all_to_all_latent_ratio == pytest.approx(full.routed_expert_hidden_size / full.hidden_size) == 0.5
+    assert p.all_to_all_recompute_bytes * 2 == p.all_to_all_bytes
+    narrow = K3Config.from_preset("k3-tiny", routed_expert_hidden_size=32)
+    q = plan(narrow, 8, 80, ep=4, seq_len=256)
+    assert q.all_to_all_latent_ratio == pytest.approx(32 / 128)
+    assert plan(narrow, 8, 80, ep=1).all_to_all_bytes == 0
+
+
+def test_layer_activation_formulas(full):
+    mla = next(i for i, t in enumerate(full.layer_types) if t == "mla")
+    a = layer_activations(full, mla, micro_batch=2, seq_len=8192)
+    assert a.mla_latent == 2 * 8192 * 576 * 2 and a.kda_chunk_states == 0
+    b = layer_activations(full, 1, micro_batch=2, seq_len=8200)
+    assert b.kda_chunk_states == 4 * 2 * 96 * 129 * 128 * 128 and b.mla_latent == 0
+    assert b.layer_input == 2 * 8200 * 7168 * 2
+    assert layer_activations(full, 1, 2, 8200, tp=4).mixer < b.mixer
+    # the dense layer 0 saves 3·F per token for its FFN, an MoE layer more (16 experts' intermediates)
+    assert layer_activations(full, 0, 1, 64).ffn == 64 * 3 * 33792 * 2 < layer_activations(full, 1, 1, 64).ffn
+
+
+@pytest.mark.parametrize("preset,gpus,ep", [("k3-full", 1024, 64), ("k3-small", 16, 4)])
+def test_activation_checkpointing_reduces_activations(preset, gpus, ep):
+    config = K3Config.from_preset(preset)
+    on = plan(config, gpus, 141, ep=ep, seq_len=4096, activation_checkpointing=True)
+    off = plan(config, gpus, 141, ep=ep, seq_len=4096, activation_checkpointing=False)
+    assert on.activation_bytes < off.activation_bytes
+    assert on.recompute_bytes > 0 and off.recompute_bytes == 0
+    assert off.activation_bytes >= config.num_hidden_layers * on.layer_input_bytes
+    assert on.state_bytes == off.state_bytes
+
+
+@pytest.mark.parametrize("ep,sharding", [(8, "auto"), (64, "auto"), (64, "experts"), (16, "rows")])
+def test_more_gpus_never_increase_per_rank_weights(full, ep, sharding):
+    weights = [plan(full, gpus, 141, ep=ep, expert_sharding=sharding).weight_bytes
+               for gpus in (64, 128, 256, 512, 1024, 2048, 4096)]
+    assert all(b <= a for a, b in zip(weights, weights[1:])), weights
+    assert weights[-1] < weights[0]
+
+
+def test_tensor_and_pipeline_parallelism(full):
+    base = plan(full, 1024, 141, ep=64)
+    tp = plan(full, 2048, 141, ep=64, tp=2)  # same dp: the attention heads are halved
+    assert tp.dp == base.dp and tp.dense_params_per_rank < base.dense_params_per_rank
+    assert tp.expert_params_per_rank == base.expert_params_per_rank
+    pp = plan(full, 1024, 141, ep=16, pp=8)
+    bounds = [(s.first_layer, s.end_layer) for s in pp.stages]
+    assert bounds[0][0] == 0 and bounds[-1][1] == 93 and len(bounds) == 8
+    assert all(a[1] == b[0] and a[1] % 12 == 0 for a, b in zip(bounds, bounds[1:]))  # AttnRes block cuts
+    assert pp.total_bytes == max(s.total_bytes for s in pp.stages)
+    assert [s.in_flight for s in pp.stages] == list(range(8, 0, -1))
+
+
+@pytest.mark.parametrize("preset", ["k3-tiny", "k3-small"])
+def test_small_presets(preset):
+    config = K3Config.from_preset(preset)
+    p = plan(config, 8, 24, ep=2, tp=2, pp=2, micro_batch=4, seq_len=512)
+    assert p.fits and p.headroom_bytes == p.usable_bytes - p.total_bytes > 0
+    assert sum(s.first_layer == 0 for s in p.stages) == 1 and p.stages[-1].end_layer == config.num_hidden_layers
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    stage_experts = p.total_expert_params * p.moe_layers // moe_layers  # the worst stage's share
+    assert p.expert_params_per_rank * p.ep * p.efsdp >= stage_experts > 0
+
+
+def test_fits_against_the_usable_fraction(full):
+    small = plan(full, 256, 141, ep=64, seq_len=8192)  # 2.78T parameters × 12 B over 256 GPUs: too much
+    big = plan(full, 1024, 141, ep=64, seq_len=8192)
+    assert big.usable_bytes == small.usable_bytes == int(141 * GIB * USABLE_FRACTION)
+    assert not small.fits and small.headroom_bytes < 0
+    assert big.fits and big.headroom_bytes == big.usable_bytes - big.total_bytes > 0
+    assert not plan(full, 1024, 40, ep=64, seq_len=8192).fits
+
+
+@pytest.mark.parametrize("kwargs,option", [
+    (dict(gpus=1000, pp=3), "gpus=1000"),
+    (dict(gpus=1024, ep=3), "ep=3"),
+    (dict(gpus=1024, ep=256), "num_experts"),
+    (dict(gpus=1024, tp=5, ep=1), "gpus"),
+    (dict(gpus=1280, tp=5), "tp=5"),
+    (dict(gpus=1024, pp=16), "pp=16"),
+    (dict(gpus=0), "gpus"),
+    (dict(gpus=1024, micro_batch=0), "micro_batch"),
+    (dict(gpus=1024, seq_len=-1), "seq_len"),
+    (dict(gpus=1024, gpu_memory_gib=0), "gpu_memory_gib"),
+    (dict(gpus=1024, expert_sharding="cols"), "expert_sharding"),
+    (dict(gpus=1024, usable_fraction=1.5), "usable_fraction"),
+])
+def test_bad_meshes_raise_naming_the_option(full, kwargs, option):
+    kwargs = {"gpu_memory_gib": 141, **kwargs}
+    with pytest.raises(ValueError) as e:
+        plan(full, **kwargs)
+    assert option in str(e.value) and "\n" not in str(e.value)
+
+
+def test_format_plan_shows_the_key_numbers(full):
+    p = plan(full, 1024, 141, ep=64, seq_len=8192)
+    text = format_plan(p)
+    for number in (p.total_bytes, p.activation_bytes, p.usable_bytes, p.groups["muon_experts"].total_bytes,
+                   p.all_to_all_bytes, p.all_to_all_full_width_bytes):
+        assert f"{number / GIB:.2f}" in text
+    assert f"{p.params_per_rank:,}" in text and f"{p.expert_params_per_rank:,}" in text
+    assert "fits        yes" in text and "ep 64 × efsdp 16" in text and "ratio 0.50" in text
+
+
+def test_to_dict_is_json(full):
+    p = plan(full, 1024, 141, ep=64, pp=2)
+    d = json.loads(json.dumps(p.to_dict()))
+    assert d["params_per_rank"] == p.params_per_rank and d["fits"] is p.fits
+    assert d["groups"]["adamw"]["total_bytes"] == p.groups["adamw"].total_bytes
+    assert len(d["stages"]) == 2 and d["all_to_all_latent_ratio"] == pytest.approx(0.5)
+    assert json.loads(json.dumps(plan(full, 1024, 141).to_dict()))["all_to_all_latent_ratio"] is None

@@ -18,6 +18,7 @@ from k3.model.cache import KDACache, MLACache, step_context
 from k3.model import K3ForCausalLM
 from k3.model.mla import GatedMLA, attention_mask
 from conformance import ids_for
+from routing import K3_TINY_TOL_AFTER, K3_TINY_WINDOW, assert_close_except_flips, record_routing, routing_diff
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
@@ -70,16 +71,21 @@ def test_prefill_and_decode_equal_full_forward_fp64(tiny_model, mla_decode, kda_
 
 
 def test_prefill_and_decode_equal_full_forward_k3_tiny_fp32():
-    """fp32 k3-tiny preset (init std 0.02): prefill + one-token decode == full forward, max |Δlogit| ≤ 1e-4."""
+    """fp32 k3-tiny preset (init std 0.02): prefill + one-token decode == full forward, max |Δlogit| ≤ 1e-4,
+    except for routing flips at near ties (tests/routing.py: this data has 12 decisions with a margin < 1e-5)."""
     torch.manual_seed(11)
     model = K3ForCausalLM(K3Config.from_preset("k3-tiny")).eval()
     T = 100
     ids = ids_for(model.config.vocab_size, 2, T, seed=11)
-    full = model(ids).logits
+    with record_routing(model) as rec_full:
+        full = model(ids).logits
     for split in (1, 37, 64, 65, T - 1):
-        logits, _ = prefill_then_decode(model, ids, split)
-        assert max_diff(logits, full) <= 1e-4, (split, max_diff(logits, full))
-        assert torch.equal(logits.argmax(-1), full.argmax(-1))
+        with record_routing(model) as rec:
+            logits, _ = prefill_then_decode(model, ids, split)
+        diff = routing_diff(rec_full.routing(), rec.routing(), window=K3_TINY_WINDOW, max_flips=16)
+        assert_close_except_flips(logits, full, diff, 1e-4, tol_after=K3_TINY_TOL_AFTER, what=f"split {split}")
+        held = diff.unaffected()  # the argmax is compared where the logits are held to 1e-4
+        assert torch.equal(logits.argmax(-1)[held], full.argmax(-1)[held])
 
 
 # ------------------------------------------------------------------------------------- chunked prefill

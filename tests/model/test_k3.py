@@ -14,6 +14,7 @@ from k3.model.mla import GatedMLA
 from k3.model.moe import StableLatentMoE
 from k3.ops.norm import RMSNorm
 from conformance import ids_for
+from routing import assert_no_near_tie, record_routing
 
 FP32_PINNED = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight",
                "e_score_correction_bias")
@@ -32,6 +33,7 @@ def tiny_preset_step(seed: int):
 # ----------------------------------------------------------------------------------- forward / backward
 def test_k3_tiny_is_deterministic_and_finite():
     """k3-tiny: two seeded forward/backward runs give bit-identical logits, loss and gradients, all finite."""
+    # routing cannot flip: both runs are the same computation on bit-identical inputs
     logits1, loss1, grads1 = tiny_preset_step(0)
     logits2, loss2, grads2 = tiny_preset_step(0)
     assert logits1.shape == (2, 37, 4096)
@@ -134,10 +136,13 @@ def test_prefix_invariance(tiny_model):
     """Logits of the first L tokens of a T = 100 run equal an L-token run (L = 1, 7, 16, 65; §12.3 item 9)."""
     model = tiny_model(seed=3)
     ids = ids_for(256, 2, 100, 4)
-    full = model(ids).logits
-    assert full.shape == (2, 100, 256)
-    for L in (1, 7, 16, 65):
-        torch.testing.assert_close(model(ids[:, :L]).logits, full[:, :L], rtol=1e-4, atol=1e-4)
+    with record_routing(model) as rec:
+        full = model(ids).logits
+        assert full.shape == (2, 100, 256)
+        for L in (1, 7, 16, 65):
+            torch.testing.assert_close(model(ids[:, :L]).logits, full[:, :L], rtol=1e-4, atol=1e-4)
+    # fp32, differently chunked: a flip would move later logits by O(1) here, so the data must hold no near tie
+    assert_no_near_tie(rec, what="prefix invariance")  # min top-k margin 1.4e-5 (tests/routing.py)
 
 
 @torch.no_grad()
@@ -145,9 +150,11 @@ def test_batch_rows_are_independent(tiny_model):
     """Each batch row is processed independently (no cross-row leakage through routing or mixing)."""
     model = tiny_model(seed=4)
     ids = ids_for(256, 3, 41, 5)
-    full = model(ids).logits
-    for b in range(3):
-        torch.testing.assert_close(model(ids[b:b + 1]).logits[0], full[b], rtol=1e-4, atol=1e-4)
+    with record_routing(model) as rec:
+        full = model(ids).logits
+        for b in range(3):
+            torch.testing.assert_close(model(ids[b:b + 1]).logits[0], full[b], rtol=1e-4, atol=1e-4)
+    assert_no_near_tie(rec, what="batched vs single rows")  # fp32 batched vs single: min top-k margin 7.6e-5
 
 
 @torch.no_grad()
@@ -191,7 +198,7 @@ def test_bf16_model_runs_and_keeps_fp32_params(tiny_model):
     assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits).all()
     assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
     cos = F.cosine_similarity(out.logits.float().flatten(), ref.flatten(), dim=0)
-    assert cos > 0.99
+    assert cos > 0.99  # bf16 noise flips 3 routing decisions here (margins ≤ 1.4e-3): cos 0.999, the bound holds
 
 
 # ------------------------------------------------------------------------------------------- init

@@ -7,6 +7,7 @@ import torch
 
 from conformance import spread_weights_
 from k3.model.moe import MoEGate, StableLatentMoE
+from routing import TIE_TOL, top_k_margin
 
 D, E, K, L, M = 64, 8, 2, 48, 20  # §12.2: hidden, experts, top-k, latent, expert width
 
@@ -65,6 +66,7 @@ def test_router_selects_with_bias_weights_without(tiny_config):
     moe = make_moe(tiny_config(), bias_std=0.3)
     x = tokens(200, 1)
     idx, w = moe.gate(x)
+    assert top_k_margin(moe.gate, x).min() > TIE_TOL  # no near tie: the fp32 and float64 top-k cannot differ
     assert idx.shape == (200, K) and w.shape == (200, K) and w.dtype == torch.float32
     s = torch.sigmoid(x.double() @ moe.gate.weight.double().t())
     biased = torch.topk(s + moe.gate.e_score_correction_bias.double(), K).indices
@@ -110,7 +112,7 @@ def test_router_runs_in_fp32_for_bf16(tiny_config):
     idx, w = gate(x)
     assert w.dtype == torch.float32
     s = torch.sigmoid(x.float() @ gate.weight.float().t())
-    expected_idx = torch.topk(s + gate.e_score_correction_bias, K).indices
+    expected_idx = torch.topk(s + gate.e_score_correction_bias, K).indices  # the gate's own fp32 ops: bit-identical
     assert [set(r) for r in idx.tolist()] == [set(r) for r in expected_idx.tolist()]
     s_sel = s.gather(1, idx)
     torch.testing.assert_close(w, s_sel / s_sel.sum(1, keepdim=True) * 2.5, rtol=1e-6, atol=1e-6)
@@ -125,6 +127,7 @@ def test_group_limited_routing(tiny_config):
     moe = make_moe(cfg, seed=2, bias_std=0.3)
     x = tokens(200, 5)
     idx, _ = moe.gate(x)
+    assert top_k_margin(moe.gate, x).min() > TIE_TOL  # no near tie (experts or groups): fp32 == float64 choice
     s = torch.sigmoid(x.double() @ moe.gate.weight.double().t()) + moe.gate.e_score_correction_bias.double()
     group_score = s.view(200, 4, 2).sum(-1)  # group size 2: the top-2 sum is the sum of both
     best_groups = group_score.topk(2, dim=1).indices
@@ -157,6 +160,7 @@ def test_moe_matches_token_by_token_reference(tiny_config):
     x = tokens(3 * 13, 6)
     sets, weights, ref = moe_reference(moe, x)
     idx, w = moe.gate(x)
+    assert top_k_margin(moe.gate, x).min() > TIE_TOL  # no near tie: the fp32 and float64 top-k cannot differ
     assert [set(r) for r in idx.tolist()] == sets
     y = moe(x.view(3, 13, D))
     assert y.shape == (3, 13, D)
@@ -169,6 +173,7 @@ def test_both_expert_paths_match_reference(tiny_config, impl):
     """Grouped and loop expert paths each equal the hand-written per-token, per-expert reference (§6.7)."""
     moe = make_moe(tiny_config(moe_impl=impl), seed=4)
     x = tokens(45, 7)
+    assert top_k_margin(moe.gate, x).min() > TIE_TOL  # no near tie: the fp32 and float64 top-k cannot differ
     torch.testing.assert_close(moe(x[None]).squeeze(0).double(), moe_reference(moe, x)[2], rtol=1e-5, atol=1e-5)
 
 
@@ -178,7 +183,7 @@ def test_grouped_equals_loop_with_unbalanced_routing(tiny_config):
     with torch.no_grad():
         grouped.gate.e_score_correction_bias.copy_(torch.tensor([2.0, 0.1, 0, 0.3, -0.2, 0, -10, -10]))
     loop = make_moe(tiny_config(moe_impl="loop"), seed=6)
-    loop.load_state_dict(grouped.state_dict())
+    loop.load_state_dict(grouped.state_dict())  # routing cannot differ: equal gates on bit-identical inputs
     x = tokens(2 * 37, 8)
     idx, _ = grouped.gate(x)
     counts = torch.bincount(idx.flatten(), minlength=E)

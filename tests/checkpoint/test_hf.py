@@ -1,4 +1,4 @@
-"""Checkpoint name translation and safetensors I/O (spec §11), on small synthetic state dicts."""
+"""Checkpoint name translation and safetensors I/O (docs/architecture.md §11), on small synthetic state dicts."""
 
 import json
 import os
@@ -176,14 +176,11 @@ def test_error_lists_missing_unexpected_and_misshaped_with_shapes():
     hf["model.layers.1.self_attn.q_b_proj.weight"] = torch.zeros(18, 8)
     hf["model.layers.7.mlp.up_proj.weight"] = torch.zeros(3, 5)
     message = load_error(hf, shapes_of(state))
-    assert "(5 problems)" in message
-    assert "missing (2):" in message
-    assert "model.norm.weight: expected [10]" in message
-    assert f"{STACKED}.2.w2.weight: expected [8, 6]" in message
-    assert "unexpected (1):\n    model.layers.7.mlp.up_proj.weight: found [3, 5]" in message
-    assert "mis-shaped (2):" in message
-    assert "model.layers.0.self_attn.A_log: expected [128], found [96]" in message
-    assert "model.layers.1.self_attn.q_b_proj.weight: expected [18, 7], found [18, 8]" in message
+    assert "\n" not in message and message.startswith("checkpoint does not match the model (5 problems): ")
+    assert f"2 missing (model.norm.weight: expected [10]; {STACKED}.2.w2.weight: expected [8, 6])" in message
+    assert "1 unexpected (model.layers.7.mlp.up_proj.weight: found [3, 5])" in message
+    assert ("2 mis-shaped (model.layers.0.self_attn.A_log: expected [128], found [96]; "
+            "model.layers.1.self_attn.q_b_proj.weight: expected [18, 7], found [18, 8])") in message
 
 
 def test_fp32_set_is_upcast_and_other_tensors_follow_dtype():
@@ -202,9 +199,13 @@ def test_fp32_set_is_upcast_and_other_tensors_follow_dtype():
 
 
 def test_integer_tensors_keep_their_dtype():
+    """An integer tensor the model expects (its spec is an integer tensor) is loaded as it is, never cast."""
     counts = torch.arange(5)
-    loaded = from_hf_state_dict({"model.counts": counts}, {"model.counts": (5,)}, dtype=torch.bfloat16)
+    expected = {"model.counts": torch.empty(5, dtype=torch.int64, device="meta")}
+    loaded = from_hf_state_dict({"model.counts": counts}, expected, dtype=torch.bfloat16)
     assert loaded["model.counts"].dtype == torch.int64
+    with pytest.raises(CheckpointError, match=r"model.counts: stored as int32, expected int64"):
+        from_hf_state_dict({"model.counts": counts.int()}, expected)
 
 
 # ------------------------------------------------------------------------------------------------------ MXFP4
@@ -258,7 +259,7 @@ def test_expert_stored_both_dense_and_packed_reports_the_packed_pair():
     state = quantised_state()
     hf = mxfp4_experts(state) | {f"{STACKED}.0.w1.weight": state[f"{STACKED}.w1"][0]}
     message = load_error(hf, shapes_of(state))
-    assert "unexpected (2):" in message and f"{STACKED}.0.w1.weight_packed: found [96, 80]" in message
+    assert "2 unexpected (" in message and f"{STACKED}.0.w1.weight_packed: found [96, 80]" in message
 
 
 # --------------------------------------------------------------------------------------------------------- I/O

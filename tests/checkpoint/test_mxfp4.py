@@ -1,4 +1,4 @@
-"""MXFP4 decode/encode (spec §11.5)."""
+"""MXFP4 decode/encode (docs/architecture.md §11.5)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""K3ForCausalLM.from_pretrained / save_pretrained on real models in the official layout (spec §11)."""
+"""K3ForCausalLM.from_pretrained / save_pretrained on real models in the official layout (docs/architecture.md §11)."""
 
 import json
 import os
@@ -44,9 +44,9 @@ def test_round_trip_is_bit_exact(tiny, tmp_path):
 
 
 def test_official_names_and_a_log_padding(tiny, tmp_path):
-    """The file uses per-expert w1/w2/w3 names and A_log padded to 128 (spec §11.2, §11.4)."""
+    """The file uses per-expert w1/w2/w3 names and A_log padded to 128 (§11.2, §11.4)."""
     tiny.save_pretrained(tmp_path)
-    stored = load_file(tmp_path / "model.safetensors")
+    stored = {k.removeprefix("language_model."): v for k, v in load_file(tmp_path / "model.safetensors").items()}
     assert stored["model.layers.0.self_attn.A_log"].shape == (128,)
     assert torch.equal(stored["model.layers.0.self_attn.A_log"][4:], torch.zeros(124))
     assert stored["model.layers.1.block_sparse_moe.experts.15.w2.weight"].shape == (64, 96)
@@ -73,7 +73,7 @@ def test_multimodal_layout_uses_prefix_and_skips_vision(tiny, tmp_path):
 
 
 def test_mxfp4_experts_decoded_on_load(tiny, tmp_path):
-    """MXFP4-packed routed experts (weight_packed/weight_scale) load as their decoded values (spec §11.5)."""
+    """MXFP4-packed routed experts (weight_packed/weight_scale) load as their decoded values (§11.5)."""
     hf = {k: v.contiguous() for k, v in to_hf_state_dict(tiny.state_dict(), tiny.config.kda_num_heads).items()}
     expected = {}
     for name in [k for k in hf if ".experts." in k]:
@@ -91,7 +91,8 @@ def test_mxfp4_experts_decoded_on_load(tiny, tmp_path):
     assert 0 < (w2[7] - original).abs().max() <= original.abs().max() / 4  # quantisation error bound
     assert loaded(IDS).logits.isfinite().all()
     loaded.save_pretrained(tmp_path / "dense")  # re-export is dense: the quantization config is dropped
-    assert "quantization_config" not in json.loads((tmp_path / "dense" / "config.json").read_text())
+    dense = json.loads((tmp_path / "dense" / "config.json").read_text())
+    assert "quantization_config" not in dense and "quantization_config" not in dense["text_config"]
 
 
 def test_bf16_load_keeps_fp32_set(tiny, tmp_path):
@@ -109,9 +110,9 @@ def test_mismatches_are_listed(tiny, tmp_path):
     """Missing, unexpected and mis-shaped tensors are reported together with names and shapes."""
     tiny.save_pretrained(tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
-    del stored["model.layers.4.self_attn.q_proj.weight"]
+    del stored["language_model.model.layers.4.self_attn.q_proj.weight"]
     stored["model.layers.4.self_attn.bogus"] = torch.zeros(3)
-    stored["lm_head.weight"] = torch.zeros(4096, 127)
+    stored["language_model.lm_head.weight"] = torch.zeros(4096, 127)
     save_file(stored, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError) as err:
         K3ForCausalLM.from_pretrained(tmp_path)
@@ -125,7 +126,7 @@ def test_layer_type_comes_from_the_schedule(tiny, tmp_path):
     """Declaring layer 2 MLA and layer 3 KDA in config.json makes the same tensors fail to load."""
     tiny.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    lac = cfg["linear_attn_config"]
+    lac = cfg["text_config"]["linear_attn_config"]
     lac["kda_layers"] = [1, 2, 4, 5, 6, 7]
     lac["full_attn_layers"] = [3, 8, 9]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -139,3 +140,51 @@ def test_missing_directory_and_bad_config(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         K3ForCausalLM.from_pretrained(tmp_path)
+
+
+def test_text_only_save_has_the_released_top_level(tiny, tmp_path, capsys):
+    """A text-only model is saved as the release lays it out (what llama.cpp's converter recognises): the
+    `kimi_k3` / `KimiK3ForConditionalGeneration` top level without vision_config, the text fields in
+    `text_config` (`kimi_linear` / `KimiLinearForCausalLM`), text tensors under `language_model.`."""
+    from k3.cli import main
+    from k3.model import K3ForConditionalGeneration
+
+    tiny.save_pretrained(tmp_path)
+    top = json.loads((tmp_path / "config.json").read_text())
+    assert (top["model_type"], top["architectures"]) == ("kimi_k3", ["KimiK3ForConditionalGeneration"])
+    assert "vision_config" not in top and "media_placeholder_token_id" not in top
+    text = top["text_config"]
+    assert (text["model_type"], text["architectures"]) == ("kimi_linear", ["KimiLinearForCausalLM"])
+    assert text["hidden_size"] == 128 and text["linear_attn_config"]["num_heads"] == 4
+    assert all(name.startswith("language_model.") for name in load_file(tmp_path / "model.safetensors"))
+    assert tiny.config.multimodal is None  # the model's own config is not changed by saving
+    loaded = K3ForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.vision_config is None and torch.equal(loaded(IDS).logits, tiny(IDS).logits)
+    with pytest.raises(ValueError, match="needs a multimodal config with a vision_config"):
+        K3ForConditionalGeneration.from_pretrained(tmp_path)
+    assert main(["info", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layers"] == 9
+
+
+def test_every_earlier_layout_still_loads(tiny, tmp_path):
+    """Text-only top level (written by earlier versions), multimodal top level with or without vision_config,
+    tensors with or without `language_model.`: all load to the same model; a re-save is the released layout."""
+    from k3.checkpoint import save_checkpoint_state
+    from k3.config import multimodal_top_level, text_only_top_level
+
+    vision = {"vt_hidden_size": 8, "mm_hidden_size": 8, "text_hidden_size": 128}
+    layouts = {
+        "text-only": (None, ""),
+        "multimodal, no vision_config, unprefixed": (text_only_top_level(), ""),
+        "multimodal, no vision_config, prefixed": (text_only_top_level(), "language_model."),
+        "multimodal with vision_config, prefixed": ({**multimodal_top_level(K3Config(), 7), "vision_config": vision},
+                                                    "language_model."),
+    }
+    for i, (layout, (top, prefix)) in enumerate(layouts.items()):
+        directory = tmp_path / str(i)
+        save_checkpoint_state(directory, tiny.state_dict(), tiny.config.kda_num_heads, prefix=prefix)
+        tiny.config.replace(multimodal=top).save(directory)
+        loaded = K3ForCausalLM.from_pretrained(directory)
+        assert torch.equal(loaded(IDS).logits, tiny(IDS).logits), layout
+    K3ForCausalLM.from_pretrained(tmp_path / "0").save_pretrained(tmp_path / "again")  # an earlier text-only save
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == tiny.config.released_layout().to_dict()

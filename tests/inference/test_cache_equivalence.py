@@ -1,4 +1,4 @@
-"""Cached inference equals one full forward (spec §2.4, §3.7, §4.3, §4.4, §12.1, §12.3 items 3, 6, 10).
+"""Cached inference equals one full forward (docs/architecture.md §2.4, §3.7, §4.3, §4.4, §12.1, §12.3 items 3, 6, 10).
 
 `cache = model.make_cache(B)`; every `model(ids, cache=cache)` consumes the new tokens, appends them to the cache
 and returns their logits only. One-token calls take the recurrent KDA / absorbed MLA path, multi-token calls the
@@ -202,7 +202,7 @@ def test_absorbed_equals_expanded_attention(tiny_model, T, S, padded):
 
 
 def test_absorbed_uses_scale_of_nope_plus_rope(tiny_model):
-    """The absorbed score keeps 1/√(nope + rope) = 1/√24 here, not 1/√(kv_lora + rope) (spec §4.4 step 2)."""
+    """The absorbed score keeps 1/√(nope + rope) = 1/√24 here, not 1/√(kv_lora + rope) (§4.4 step 2)."""
     layer = tiny_model(seed=7).double().model.layers[3].self_attn
     assert layer.scale == (16 + 8) ** -0.5
     q_nope, q_pe, latent = random_mla_inputs(layer, 2, 9, 1, seed=1)
@@ -370,7 +370,7 @@ def test_nbytes_counts_spec_cache_sizes(tiny_model, dtype):
     assert cache.nbytes() == kda_fixed + 29 * per_token
     model(ids[:, 29:], cache=cache)
     assert cache.nbytes() == kda_fixed + 30 * per_token
-    # at the released size the latent is 576 numbers per token per MLA layer (spec §2.4, §4.3)
+    # at the released size the latent is 576 numbers per token per MLA layer (§2.4, §4.3)
     full = K3Config()
     assert full.kv_lora_rank + full.qk_rope_head_dim == 576
 

@@ -1,4 +1,4 @@
-"""Long-context chunked prefill followed by decode (spec §3.7, §4.3, §12.3 item 10) on the fp32 k3-tiny preset.
+"""Long-context chunked prefill followed by decode (docs/architecture.md §3.7, §4.3, §12.3 item 10) on the fp32 k3-tiny preset.
 
 A full uncached forward materialises the [B, H, T, T] MLA scores (CPU SDPA falls back to its math kernel since
 the query/key head dim 48 differs from the value head dim 24): 17 GB per tensor at 32K tokens. So the 32K test

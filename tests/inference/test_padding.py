@@ -1,4 +1,4 @@
-"""Left padding with `attention_mask` (spec §3.8): padding never enters conv windows, KDA state or MLA attention.
+"""Left padding with `attention_mask` (docs/architecture.md §3.8): padding never enters conv windows, KDA state or MLA attention.
 
 `attention_mask` (1 real, 0 padding, left padding only) is [B, past + new] or [B, new]. Every sequence of a
 left-padded batch must produce, at its real positions, the logits it produces when run alone.

@@ -1,4 +1,4 @@
-"""Parameter, cache and FLOP accounting at the released K3 dimensions, on a meta-device model (spec §2)."""
+"""Parameter, cache and FLOP accounting at the released K3 dimensions, on a meta-device model (docs/architecture.md §2)."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def test_components_follow_the_schedule(full):
 def test_cache_sizes():
     """MLA cache 13,824 numbers = 27,648 B per token; KDA state 69·96·128·128·4 = 434,110,464 B; conv 15,261,696 B (§2.4)."""
     c = cache_sizes(K3Config.from_preset("k3-full"))
-    assert 69 * 96 * 128 * 128 * 4 == 434_110_464  # the spec's arithmetic
+    assert 69 * 96 * 128 * 128 * 4 == 434_110_464  # the documented arithmetic
     assert c.mla_numbers_per_token == 24 * (512 + 64) == 13_824
     assert c.mla_bytes_per_token == 27_648
     assert c.kda_state_bytes_per_sequence == 434_110_464

@@ -1,4 +1,4 @@
-"""Block Attention Residuals: the mix operator (spec §5.1) and the exact per-layer algorithm (spec §5.3, §5.5, §5.7)."""
+"""Block Attention Residuals: the mix operator (docs/architecture.md §5.1) and the exact per-layer algorithm (§5.3, §5.5, §5.7)."""
 
 from __future__ import annotations
 

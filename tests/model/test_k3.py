@@ -1,4 +1,4 @@
-"""The whole text model: determinism, loss, input checks, causality, precision, init, schedule (spec §1.4, §12.3, App. A)."""
+"""The whole text model: determinism, loss, input checks, causality, precision, init, schedule (docs/architecture.md §1.4, §12.3, App. A)."""
 
 from __future__ import annotations
 
@@ -260,7 +260,7 @@ def test_layer_types_follow_the_schedule(tiny_config):
 
 
 def test_checkpoint_parameter_names(tiny_config):
-    """Parameter names are the released checkpoint's (spec §11.2) under `model.` / `lm_head`."""
+    """Parameter names are the released checkpoint's (§11.2) under `model.` / `lm_head`."""
     names = set(K3ForCausalLM(tiny_config()).state_dict())
     for n in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
               "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight",

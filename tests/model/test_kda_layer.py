@@ -1,4 +1,4 @@
-"""The KDA layer around the core op: decay gate, short conv, dataflow, precision (spec §3.1–§3.3, §3.9, §0.4).
+"""The KDA layer around the core op: decay gate, short conv, dataflow, precision (docs/architecture.md §3.1–§3.3, §3.9, §0.4).
 
 The core recurrence / chunk kernels have their own tests under tests/ops.
 """

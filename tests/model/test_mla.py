@@ -1,4 +1,4 @@
-"""Gated NoPE MLA (expanded form) against a per-head loop written from spec §4.2 (also §0.5, §4.6)."""
+"""Gated NoPE MLA (expanded form) against a per-head loop written from docs/architecture.md §4.2 (also §0.5, §4.6)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from k3.model.mla import GatedMLA
 
 
 def make_mla(config: K3Config, seed: int = 0) -> GatedMLA:
-    """A GatedMLA with N(0, 0.15²) weights and random norm gains (no symmetric defaults, spec §12.2)."""
+    """A GatedMLA with N(0, 0.15²) weights and random norm gains (no symmetric defaults, §12.2)."""
     torch.manual_seed(seed)
     return spread_weights_(GatedMLA(config))
 

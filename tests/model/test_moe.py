@@ -1,4 +1,4 @@
-"""Stable LatentMoE: router, latent routed experts, shared experts (spec §6.3–§6.8, §12.3 item 8)."""
+"""Stable LatentMoE: router, latent routed experts, shared experts (docs/architecture.md §6.3–§6.8, §12.3 item 8)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ D, E, K, L, M = 64, 8, 2, 48, 20  # §12.2: hidden, experts, top-k, latent, expe
 
 
 def make_moe(config, seed: int = 0, bias_std: float = 0.1) -> StableLatentMoE:
-    """A MoE layer with N(0, 0.15²) weights, random latent-norm gain and router bias (spec §12.2)."""
+    """A MoE layer with N(0, 0.15²) weights, random latent-norm gain and router bias (§12.2)."""
     torch.manual_seed(seed)
     moe = spread_weights_(StableLatentMoE(config))
     with torch.no_grad():

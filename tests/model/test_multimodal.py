@@ -1,4 +1,4 @@
-"""K3ForConditionalGeneration: placeholder expansion, labels, caches, checkpoints (spec §9.9, §11, §12.3 item 14)."""
+"""K3ForConditionalGeneration: placeholder expansion, labels, caches, checkpoints (docs/architecture.md §9.9, §11, §12.3 item 14)."""
 
 from __future__ import annotations
 

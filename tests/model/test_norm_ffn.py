@@ -1,4 +1,4 @@
-"""RMSNorm, L2Norm and SiTU-GLU against their written formulas (spec §0.2, §0.4, §0.5, §6.1, §6.2)."""
+"""RMSNorm, L2Norm and SiTU-GLU against their written formulas (docs/architecture.md §0.2, §0.4, §0.5, §6.1, §6.2)."""
 
 from __future__ import annotations
 

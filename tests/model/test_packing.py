@@ -1,4 +1,4 @@
-"""Packed rows (spec §3.8, §13 #19): documents in one row never see each other."""
+"""Packed rows (docs/architecture.md §3.8, §13 #19): documents in one row never see each other."""
 
 import pytest
 import torch

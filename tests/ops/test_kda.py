@@ -1,7 +1,7 @@
-"""Tests of the KDA core ops (spec §3.4–§3.6, §12.3 items 1–3).
+"""Tests of the KDA core ops (docs/architecture.md §3.4–§3.6, §12.3 items 1–3).
 
 Ground truth is `literal_kda`, a float64 loop over batch, head and token written in the compact form
-S_t = (I − β_t k_t k_tᵀ) Diag(e^{g_t}) S_{t−1} + β_t k_t v_tᵀ, o_t = S_tᵀ (scale·q_t) of spec §3.4,
+S_t = (I − β_t k_t k_tᵀ) Diag(e^{g_t}) S_{t−1} + β_t k_t v_tᵀ, o_t = S_tᵀ (scale·q_t) of §3.4,
 independently of the four-step form used by `recurrent_kda`.
 """
 # Shape suffixes: B batch, T time, H heads, K key dim, V value dim.
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from k3.ops.kda import chunk_kda, recurrent_kda
 
-B, H, K, V = 2, 2, 24, 40  # K ≠ V: a transposed state fails on shape or value (spec §3.4)
+B, H, K, V = 2, 2, 24, 40  # K ≠ V: a transposed state fails on shape or value (§3.4)
 OPS = {"recurrent": recurrent_kda, "chunk": chunk_kda}
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
@@ -43,7 +43,7 @@ def make_inputs(T, gate="bounded", dtype=torch.float64, seed=0):
 
     x_BTHK = 3 * randn(B, T, H, K)
     if gate == "bounded":
-        g_BTHK = -5 * torch.sigmoid(x_BTHK)  # K3 form (spec §3.3), reaches −4.9999
+        g_BTHK = -5 * torch.sigmoid(x_BTHK)  # K3 form (§3.3), reaches −4.9999
     else:
         g_BTHK = -7 * F.softplus(3 * x_BTHK)  # Kimi-Linear softplus form, down to ≈ −70 per step and beyond
     inputs = dict(
@@ -171,7 +171,7 @@ def test_low_precision_inputs_compute_in_fp32(op):
     inputs = make_inputs(70, dtype=torch.bfloat16)
     o, S = run(op, inputs)
     o_fp32, S_fp32 = run(op, {name: x.float() for name, x in inputs.items()})
-    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32  # spec §0.4: fp32 state
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32  # §0.4: fp32 state
     assert torch.equal(o, o_fp32.bfloat16()) and torch.equal(S, S_fp32)
 
 
@@ -203,7 +203,7 @@ def test_chunk_prefix_invariance(t, value):
 
 @pytest.mark.parametrize("op", OPS)
 def test_split_and_carry_state(op):
-    """Pieces [31, 9 × 1, rest] carrying the state equal one call (spec §12.3 item 3)."""
+    """Pieces [31, 9 × 1, rest] carrying the state equal one call (§12.3 item 3)."""
     inputs = make_inputs(130)
     o, S = run(op, inputs)
     pieces, S_carry, start = [], inputs["initial_state"], 0

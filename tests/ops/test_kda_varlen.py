@@ -1,4 +1,4 @@
-"""Packed documents through the KDA cores (spec §3.8, §12.3 item 4): chunk-aligned layout vs separate runs."""
+"""Packed documents through the KDA cores (docs/architecture.md §3.8, §12.3 item 4): chunk-aligned layout vs separate runs."""
 # Shape suffixes: B batch, T time, H heads, K key dim, V value dim, N chunks.
 
 import pytest

@@ -1,4 +1,4 @@
-"""Parameter partition (spec §8.1, §8.4, §8.5, §12.3 item 16) on the §12.2 tiny model."""
+"""Parameter partition (docs/architecture.md §8.1, §8.4, §8.5, §12.3 item 16) on the §12.2 tiny model."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Muon and NS5 (spec §8.2–§8.4, §12.3 item 16): singular-value band, batching, agreement with
+"""Muon and NS5 (docs/architecture.md §8.2–§8.4, §12.3 item 16): singular-value band, batching, agreement with
 `torch.optim.Muon`, and block views (per head, K/V split, per expert, columns) equal to separate matrices."""
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_matches_unmodified_torch_muon_in_bf16():
 def test_block_view_equals_separate_matrices(nesterov, adjust_lr):
     """Per head (KDA q_proj: H × [d, in]), K/V split with N ≠ Vh (MLA kv_b_proj: per head [N, C] and [Vh, C]),
     per expert ([E, A, B]) and column blocks (o_proj: H × [out, d]) each equal plain whole-matrix Muon run on
-    every block as its own parameter (spec §8.4, §12.3 item 16)."""
+    every block as its own parameter (§8.4, §12.3 item 16)."""
     H, d, D, N, Vh, C, E = 3, 8, 20, 16, 12, 10, 4
     cases = [  # (shape, view, blocks: index of each block in the full weight)
         ((H * d, D), dict(split="rows", split_sizes=(d,)), [(slice(h * d, (h + 1) * d),) for h in range(H)]),

@@ -1,4 +1,4 @@
-"""QK-Clip (spec §8.6, §12.3 item 17) and the reference per-head max-logit computation."""
+"""QK-Clip (docs/architecture.md §8.6, §12.3 item 17) and the reference per-head max-logit computation."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def mla_and_input():
 
 
 def all_logits(mla: GatedMLA, x_BTD: torch.Tensor) -> torch.Tensor:
-    """Every causal logit [B, H, T, S] via the absorbed form (W_UK folded into the query, spec §4.4): an
+    """Every causal logit [B, H, T, S] via the absorbed form (W_UK folded into the query, §4.4): an
     independent route to the same numbers as `mla_max_logits`."""
     cfg = mla.config
     C, N = cfg.kv_lora_rank, cfg.qk_nope_head_dim

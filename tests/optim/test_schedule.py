@@ -1,4 +1,4 @@
-"""Learning-rate schedules (spec §8.7)."""
+"""Learning-rate schedules (docs/architecture.md §8.7)."""
 
 from __future__ import annotations
 

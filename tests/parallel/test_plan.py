@@ -51,7 +51,7 @@ def test_k3_full_rank_holds_what_the_scale_out_note_measured(full):
     assert auto.expert_placement == "Shard(1)"
     assert auto.expert_params_per_rank * 16 == 92 * 3 * 14 * M * L
     assert auto.dense_params_per_rank == note.dense_params_per_rank
-    assert auto.total_params == 2_779_484_476_000 - 92 * 896  # §2.2 total less the router-bias buffers
+    assert auto.total_params == 2_779_484_476_000 - 92 * 896  # docs/architecture.md §2.2 total less the router-bias buffers
 
 
 @pytest.mark.parametrize("gpus,ep,sharding", [(1024, 64, "auto"), (1024, 64, "experts"), (256, 64, "auto"),

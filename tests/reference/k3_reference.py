@@ -1,11 +1,11 @@
-"""Independent float64 reference of the Kimi K3 text forward pass, written from shared/spec/K3_SPEC.md only.
+"""Independent float64 reference of the Kimi K3 text forward pass, written from the architecture specification only (now docs/architecture.md).
 
 Purpose: cross-check the project implementation (`k3.model`) without sharing any of its code. Nothing here
-imports from `k3`; the input is the official checkpoint (tensor names of spec §11.2) plus the parsed
-`config.json` dict (spec §1.1 / §1.2).
+imports from `k3`; the input is the official checkpoint (tensor names of docs/architecture.md §11.2) plus the parsed
+`config.json` dict (§1.1 / §1.2).
 
 Style: deliberately literal. Python loops over layers, heads and tokens where that keeps the arithmetic
-obviously equal to the spec's formulas; float64 everywhere. Sections referenced as §x.y are those of the spec.
+obviously equal to the documented formulas; float64 everywhere. Sections referenced as §x.y are those of the spec.
 
 Public API
 ----------
@@ -127,7 +127,7 @@ def glu(g: torch.Tensor, u: torch.Tensor, act: str, beta1: float | None, beta2: 
 
 # -------------------------------------------------------------------------------------------- config
 class _Cfg:
-    """Plain attribute view of the text config with the spec's defaults for omitted fields."""
+    """Plain attribute view of the text config with the documented defaults for omitted fields."""
 
     def __init__(self, tc: dict[str, Any], variant: str | None):
         self.D = tc["hidden_size"]

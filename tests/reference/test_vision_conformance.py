@@ -1,5 +1,5 @@
 """Conformance of the project's vision path against the independent float64 reference `vision_reference.py`
-(spec §9, §11.3, §2.2).
+(docs/architecture.md §9, §11.3, §2.2).
 
 The project is used only through its public surface: the `K3ForConditionalGeneration` constructor,
 `named_parameters()`, `.double()`, `save_pretrained`, `state_dict()`, `encode_media(pixel_values, grid_thws)` and

@@ -1,12 +1,12 @@
 """Independent float64 reference of the Kimi K3 vision path (MoonViT-V2, merger, projector, media interleaving),
-written from shared/spec/K3_SPEC.md §9 (with §1.2, §2.2, §0.4/§0.5, §11.3) only.
+written from the architecture specification (now docs/architecture.md) §9 (with §1.2, §2.2, §0.4/§0.5, §11.3) only.
 
-Nothing here imports from `k3`. The input is the official checkpoint (tensor names of spec §11.3, read with
+Nothing here imports from `k3`. The input is the official checkpoint (tensor names of §11.3, read with
 `k3_reference.load_official_checkpoint`) plus the parsed `config.json` dict (top-level multimodal config of §1.2,
 or a bare `vision_config` dict).
 
 Style: deliberately literal, float64 everywhere, Python loops over media items, frames, heads, merged tokens and
-RoPE pairs where that keeps the arithmetic obviously equal to the spec's formulas.
+RoPE pairs where that keeps the arithmetic obviously equal to the documented formulas.
 
 Public API
 ----------

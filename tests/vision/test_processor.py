@@ -1,4 +1,4 @@
-"""Media pre-processing and interleaving (spec §1.2, §9.2, §9.9, §9.10, §13 rows 11–12): k3.vision.processor."""
+"""Media pre-processing and interleaving (docs/architecture.md §1.2, §9.2, §9.9, §9.10, §13 rows 11–12): k3.vision.processor."""
 
 from __future__ import annotations
 
@@ -274,9 +274,10 @@ def test_format_timestamp():
     (np.full((4, 4, 3), 256, dtype=np.int32), "0..255"),
     (np.full((4, 4, 3), -1, dtype=np.int16), "0..255"),
     (np.zeros((4, 4, 3), dtype=bool), "dtype"),
-    (Image.new("I;16", (4, 4)), "not 8-bit"),
-    ("cat.png", "PIL image or a numpy"),
-    (torch.zeros(3, 4, 4), "PIL image or a numpy"),
+    (Image.new("I", (4, 4)), "not 8-bit"),
+    (Image.new("F", (4, 4)), "not 8-bit"),
+    ("no/such/cat.png", "cannot read image 'no/such/cat.png'"),
+    (torch.zeros(3, 4, 4), "PIL image, a numpy"),
 ])
 def test_bad_images_raise(image, message):
     with pytest.raises(ValueError, match=message):
@@ -524,3 +525,153 @@ def test_config_rejects_inconsistent_files(tmp_path):
         ImageProcessorConfig.load(tmp_path)
     with pytest.raises(FileNotFoundError):
         ImageProcessorConfig.load(tmp_path / "missing")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Files: decompression bombs, animations, truncated files, 16-bit grayscale, EXIF orientation
+
+
+def png_header_only(path, width: int, height: int) -> None:
+    """A 57-byte PNG whose header claims width × height RGB pixels (no pixel data): cheap to write and to refuse."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+
+
+def test_decompression_bomb_is_one_line_naming_the_image(processor, tmp_path, monkeypatch):
+    """A header claiming 200,000,000 pixels (> 2 × Pillow's MAX_IMAGE_PIXELS) is a ValueError naming the file,
+    from load_image, process_image and K3Processor alike; the limit is Pillow's own, as the process sets it."""
+    from k3.vision.processor import load_image
+
+    bomb = tmp_path / "bomb.png"
+    png_header_only(bomb, 20_000, 10_000)
+    expected = (f"image {str(bomb)!r} is 200,000,000 pixels, more than Pillow's safety limit of 178,956,970 "
+                "(2 x PIL.Image.MAX_IMAGE_PIXELS, a guard against decompression bombs); raise "
+                "PIL.Image.MAX_IMAGE_PIXELS to open a file you trust")
+    for call in (lambda: load_image(bomb), lambda: process_image(str(bomb)), lambda: process_video(bomb)):
+        with pytest.raises(ValueError) as error:
+            call()
+        assert str(error.value) == expected
+    with pytest.raises(ValueError) as error:
+        processor("<|kimi_image_placeholder|>", images=[bomb])
+    assert str(error.value) == f"images[0]: {expected}"
+    small = tmp_path / "small.png"
+    Image.fromarray(rng_image(50, 50)).save(small)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # a stricter limit set by the application is honoured
+    with pytest.raises(ValueError, match=r"is 2,500 pixels, more than Pillow's safety limit of 2,000 "):
+        load_image(small)
+
+
+def save_animation(path, frames: list[np.ndarray], durations: list[int], fmt: str) -> None:
+    pils = [Image.fromarray(f) for f in frames]
+    options = {"lossless": True} if fmt == "WEBP" else {}
+    pils[0].save(path, fmt, save_all=True, append_images=pils[1:], duration=durations, loop=0, **options)
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "PNG", "WEBP", "TIFF"])
+def test_animated_image_is_encoded_as_a_video(processor, tokenizer, tmp_path, fmt):
+    """A 3-frame animation given as an image becomes one 3-frame video chunk in place of the image placeholder,
+    with every frame (not only the first); process_image refuses it with a message saying what to do."""
+    from PIL import ImageSequence
+
+    path = tmp_path / f"anim.{fmt.lower()}"
+    frames = [np.full((20, 30, 3), value, dtype=np.uint8) for value in (0, 120, 250)]
+    save_animation(path, frames, [100, 200, 300], fmt)
+    with Image.open(path) as opened:
+        decoded = [np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(opened)]
+    expected = process_video(decoded)
+    assert len(expected) == 1 and expected[0].grid_thw == (3, 2, 4)
+    frame = "<|media_begin|>video 30x20<|media_content|><|media_pad|><|media_end|>"
+    with Image.open(path) as opened:
+        for image in (path, str(path), opened):
+            out = processor("Look: <|kimi_image_placeholder|>", images=[image])
+            assert out["grid_thws"].tolist() == [[3, 2, 4]]
+            assert out["pixel_values"].equal(expected[0].pixel_values)
+            assert tokenizer.decode(out["input_ids"][0].tolist()) == f"Look: 00:00:00.000{frame}"
+        assert opened.tell() == 0
+        with pytest.raises(ValueError, match="^animated image with 3 frames: process_image encodes one image; pass "
+                                             "it to process_video, or to K3Processor"):
+            process_image(opened)
+        assert process_video(opened)[0].pixel_values.equal(expected[0].pixel_values)
+        assert processor("<|kimi_video_placeholder|>", videos=[opened])["grid_thws"].tolist() == [[3, 2, 4]]
+
+
+def test_animation_chunks_take_their_timestamps_from_the_frame_durations(tmp_path):
+    """6 GIF frames of 250 ms → chunks of 4 and 2 frames at 0 s and 1 s; an explicit fps overrides the file."""
+    path = tmp_path / "six.gif"
+    save_animation(path, [np.full((28, 28, 3), 40 * i, dtype=np.uint8) for i in range(6)], [250] * 6, "GIF")
+    items = process_video(path)
+    assert [(item.grid_thw, item.timestamp, item.kind) for item in items] == [((4, 2, 2), 0.0, "video"),
+                                                                             ((2, 2, 2), 1.0, "video")]
+    assert [item.timestamp for item in process_video(path, fps=2)] == [0.0, 2.0]
+
+
+def test_multi_picture_photo_stays_an_image(tmp_path):
+    """An MPO photo (primary picture + e.g. a depth map or preview) is a still image: its first frame."""
+    path = tmp_path / "photo.mpo"
+    first, second = rng_image(20, 30, seed=1), rng_image(20, 30, seed=2)
+    Image.fromarray(first).save(path, "MPO", save_all=True, append_images=[Image.fromarray(second)])
+    with Image.open(path) as opened:
+        assert opened.n_frames == 2
+        expected = process_image(opened.convert("RGB")).pixel_values
+    item = process_image(path)
+    assert item.grid_thw == (1, 2, 4) and item.pixel_values.equal(expected)
+
+
+def test_truncated_files_are_one_line_naming_the_file(processor, tmp_path):
+    from k3.vision.processor import load_image
+
+    full, cut = tmp_path / "photo.jpg", tmp_path / "cut.jpg"
+    Image.fromarray(rng_image(200, 300)).save(full)
+    cut.write_bytes(full.read_bytes()[:full.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"^cannot decode image {str(cut)!r}: image file is truncated"):
+        load_image(cut)
+    with pytest.raises(ValueError, match=rf"^images\[0\]: cannot decode image {str(cut)!r}: image file is trunc"):
+        processor("<|kimi_image_placeholder|>", images=[cut])
+    with Image.open(cut) as opened:  # opened by the caller: decoded (and failing) inside the processor
+        with pytest.raises(ValueError, match=rf"^images\[0\] \({str(cut)!r}\): cannot decode image: image file is"):
+            processor("<|kimi_image_placeholder|>", images=[opened])
+    gif, cut_gif = tmp_path / "anim.gif", tmp_path / "cut.gif"
+    save_animation(gif, [rng_image(20, 30, seed=i) for i in range(3)], [100] * 3, "GIF")
+    cut_gif.write_bytes(gif.read_bytes()[:-10])  # the last frame loses its end
+    with pytest.raises(ValueError, match=rf"^images\[0\] \({str(cut_gif)!r}\): frame 2: cannot decode image: "):
+        processor("<|kimi_image_placeholder|>", images=[cut_gif])
+    with pytest.raises(ValueError, match=rf"^cannot read image {str(tmp_path / 'none.png')!r}: "):
+        load_image(tmp_path / "none.png")
+
+
+def test_16_bit_grayscale_is_scaled_to_8_bits(tmp_path):
+    """16-bit grayscale (mode I;16, e.g. a 16-bit PNG) is encoded as round(v / 257), not refused or clipped."""
+    values = np.array([[0, 128, 129, 257], [32896, 65278, 65407, 65535]], dtype=np.uint16)
+    eight = np.array([[0, 0, 1, 1], [128, 254, 255, 255]], dtype=np.uint8)
+    expected = process_image(eight).pixel_values
+    assert process_image(Image.fromarray(values)).pixel_values.equal(expected)
+    path = tmp_path / "depth16.png"
+    Image.fromarray(values).save(path)
+    with Image.open(path) as opened:
+        assert opened.mode == "I;16"
+    assert process_image(path).pixel_values.equal(expected)
+
+
+def test_exif_orientation_is_applied_to_image_files(tmp_path):
+    """A photo stored sideways with EXIF Orientation 6 (rotate 90° clockwise) is encoded upright."""
+    from k3.vision.processor import load_image
+
+    stored = np.zeros((20, 40, 3), dtype=np.uint8)
+    stored[:, :10] = 255  # a white band on the left of the stored pixels
+    image = Image.fromarray(stored)
+    exif = image.getexif()
+    exif[0x0112] = 6
+    path = tmp_path / "sideways.png"
+    image.save(path, exif=exif)
+    upright = np.asarray(Image.fromarray(stored).transpose(Image.Transpose.ROTATE_270))  # band on top
+    loaded = load_image(path)
+    assert loaded.size == (20, 40) and loaded.filename == str(path)
+    np.testing.assert_array_equal(np.asarray(loaded), upright)
+    item = process_image(path)
+    assert item.size == (20, 40) and item.pixel_values.equal(process_image(upright).pixel_values)

@@ -1,4 +1,4 @@
-"""Checkpoint loading and saving in the official Hugging Face layout (spec §11).
+"""Checkpoint loading and saving in the official Hugging Face layout (docs/architecture.md §11).
 
 * ``load_checkpoint_state`` / ``save_checkpoint_state``: safetensors directories (single file or sharded).
 * ``to_hf_state_dict`` / ``from_hf_state_dict``: name and shape translation, internal <-> official.

@@ -1,4 +1,4 @@
-"""Translation between the model's internal state dict and the official HF tensor names (spec §11).
+"""Translation between the model's internal state dict and the official HF tensor names (docs/architecture.md §11).
 
 The internal names are the official text names (§11.2, without the ``language_model.`` prefix) with two
 exceptions (§11.4 items 1-2):
@@ -14,15 +14,17 @@ Translation is driven by the model's own state-dict keys, never by tensor shapes
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol, Union
 
 import torch
 from torch import Tensor
 
 from k3.checkpoint.mxfp4 import GROUP_SIZE, decode_mxfp4
+from k3.config import summarize
 from k3.ops.precision import is_fp32_tensor
 
 LANGUAGE_MODEL_PREFIX = "language_model."
@@ -34,6 +36,9 @@ MXFP4_DECODE_DTYPE = torch.bfloat16
 
 _A_LOG = re.compile(r"model\.layers\.\d+\.self_attn\.A_log")
 _STACKED_EXPERTS = re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.w[123]")
+_EXPERT_WEIGHT = re.compile(r"(.+\.experts)\.(\d+)\.(w[123])\.(?:weight|weight_packed|weight_scale)")
+REPORT_LIMIT = 5
+"""How many names of each kind of mismatch an error message lists (the rest are counted)."""
 
 
 class CheckpointError(ValueError):
@@ -41,10 +46,13 @@ class CheckpointError(ValueError):
 
 
 class LazyTensor(Protocol):
-    """A stored tensor whose shape is known before its data is read (e.g. one safetensors entry)."""
+    """A stored tensor whose shape and dtype are known before its data is read (e.g. one safetensors entry)."""
 
     @property
     def shape(self) -> Sequence[int]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
 
     def load(self) -> Tensor: ...
 
@@ -105,15 +113,19 @@ def from_hf_state_dict(
 
     ``hf_tensors`` may carry the ``language_model.`` prefix. Vision and projector tensors (``vision_tower.*``,
     ``mm_projector.*``) keep their names; they are skipped when ``expected`` asks for none of them (a text-only
-    model reading a multimodal checkpoint, §11.1). Values may be tensors or ``LazyTensor``s: all names and shapes are checked before any
-    data is read, and every problem (missing, unexpected, mis-shaped) is reported in one ``CheckpointError``.
+    model reading a multimodal checkpoint, §11.1). Values may be tensors or ``LazyTensor``s: all names, shapes and
+    dtypes are checked before any data is read, and every problem (missing, unexpected, mis-shaped, wrong dtype) is
+    reported in one one-line ``CheckpointError`` (each kind counted, its first ``REPORT_LIMIT`` named).
 
-    Dtypes: the fp32 set (``is_fp32_tensor``) always ends fp32; other floating tensors are cast to ``dtype``
-    when given, else keep their stored dtype; MXFP4 experts decode to ``dtype`` or bf16.
+    Dtypes: a stored tensor must be floating point (integer or bool data where a weight belongs is reported, not
+    cast), except where ``expected`` gives a tensor of another dtype (then that dtype exactly) and the MXFP4 pairs
+    (uint8). The fp32 set (``is_fp32_tensor``) always ends fp32; other floating tensors are cast to ``dtype``
+    when given, else keep their stored dtype; MXFP4 experts decode to ``dtype`` or bf16. Dtypes are checked with
+    the names and shapes, before any data is read.
     """
     keep_media = any(name.startswith(NON_TEXT_PREFIXES) for name in expected)
     matcher = _Matcher(_strip_text_prefix(hf_tensors, keep_media))
-    loaders = {name: _plan(matcher, name, _shape_of(spec), dtype) for name, spec in expected.items()}
+    loaders = {name: _plan(matcher, name, spec, dtype) for name, spec in expected.items()}
     matcher.raise_on_problems()
     return {name: load() for name, load in loaders.items()}
 
@@ -131,18 +143,27 @@ def _strip_text_prefix(hf_tensors: Mapping[str, StoredTensor], keep_media: bool)
     return text
 
 
-def _plan(matcher: _Matcher, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> Loader:
+def _plan(matcher: _Matcher, name: str, spec: ExpectedShape, dtype: torch.dtype | None) -> Loader:
     """Claim the stored tensors that make up internal tensor ``name`` and return how to build it."""
+    shape = _shape_of(spec)
     if _STACKED_EXPERTS.fullmatch(name):
         num_experts, *expert_shape = shape
-        experts = [_plan_expert(matcher, name, e, tuple(expert_shape), dtype) for e in range(num_experts)]
+        present = matcher.stored_experts(name, num_experts, tuple(expert_shape))  # the others are reported
+        experts = [_plan_expert(matcher, name, e, tuple(expert_shape), dtype) for e in present]
         return lambda: _stack(experts)
+    want = _required_dtype(spec)
     if _A_LOG.fullmatch(name):
         (num_heads,) = shape
-        matcher.claim(name, (padded_a_log_length(num_heads),))
+        matcher.claim(name, (padded_a_log_length(num_heads),), want)
         return lambda: _cast(name, matcher.load(name)[:num_heads].clone(), dtype)
-    matcher.claim(name, shape)
+    matcher.claim(name, shape, want)
     return lambda: _cast(name, matcher.load(name), dtype)
+
+
+def _required_dtype(spec: ExpectedShape) -> torch.dtype | None:
+    """The exact dtype a stored tensor must have (an expected non-floating tensor), or None: any floating dtype."""
+    expected = getattr(spec, "dtype", None)
+    return expected if isinstance(expected, torch.dtype) and not expected.is_floating_point else None
 
 
 def _plan_expert(
@@ -155,9 +176,17 @@ def _plan_expert(
         matcher.claim(dense, shape)
         return lambda: _cast(dense, matcher.load(dense), dtype)
     out_features, in_features = shape
-    matcher.claim(packed, (out_features, in_features // 2))
-    matcher.claim(scale, (out_features, in_features // GROUP_SIZE))
-    return lambda: decode_mxfp4(matcher.load(packed), matcher.load(scale), dtype or MXFP4_DECODE_DTYPE)
+    matcher.claim(packed, (out_features, in_features // 2), torch.uint8)
+    matcher.claim(scale, (out_features, in_features // GROUP_SIZE), torch.uint8)
+
+    def decode() -> Tensor:
+        packed_data, scale_data = matcher.load(packed), matcher.load(scale)
+        try:
+            return decode_mxfp4(packed_data, scale_data, dtype or MXFP4_DECODE_DTYPE)
+        except ValueError as error:  # e.g. the E8M0 NaN code in the scales
+            raise CheckpointError(f"{packed} / {scale}: {error}") from None
+
+    return decode
 
 
 def _stack(experts: Sequence[Loader]) -> Tensor:
@@ -189,41 +218,83 @@ def _format_shape(shape: Sequence[int]) -> str:
 
 
 class _Matcher:
-    """Hands out stored tensors by name and records every missing, mis-shaped and unclaimed one."""
+    """Hands out stored tensors by name and records every missing, mis-shaped, mis-typed and unclaimed one.
+
+    The work and the memory of the bookkeeping are bounded by the stored tensors, not by ``expected``: absent
+    experts are counted, not listed, and each kind of problem keeps only its first ``REPORT_LIMIT`` lines.
+    """
 
     def __init__(self, stored: Mapping[str, StoredTensor]) -> None:
         self._stored = stored
         self._claimed: set[str] = set()
-        self._missing: list[str] = []
-        self._misshaped: list[str] = []
+        self._lines: dict[str, list[str]] = {kind: [] for kind in _PROBLEM_KINDS}
+        self._counts = dict.fromkeys(self._lines, 0)
+        self._experts: dict[str, set[int]] = {}  # stacked internal name -> expert indices with a stored tensor
+        for stored_name in stored:
+            match = _EXPERT_WEIGHT.fullmatch(stored_name)
+            if match and str(int(match[2])) == match[2]:
+                self._experts.setdefault(f"{match[1]}.{match[3]}", set()).add(int(match[2]))
 
     def has(self, name: str) -> bool:
         return name in self._stored
 
-    def claim(self, name: str, shape: tuple[int, ...]) -> None:
-        """Mark ``name`` as used, recording a problem if it is absent or not of ``shape``."""
+    def _record(self, kind: str, lines: Iterable[str], count: int = 1) -> None:
+        self._counts[kind] += count
+        room = REPORT_LIMIT - len(self._lines[kind])
+        self._lines[kind].extend(itertools.islice(lines, max(room, 0)))
+
+    def claim(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
+        """Mark ``name`` as used, recording a problem if it is absent, not of ``shape`` or of the wrong dtype
+        (``dtype``, or any floating dtype if None)."""
         if name not in self._stored:
-            self._missing.append(f"{name}: expected {_format_shape(shape)}")
+            self._record("missing", [f"{name}: expected {_format_shape(shape)}"])
             return
         self._claimed.add(name)
         found = _shape_of(self._stored[name])
         if found != shape:
-            self._misshaped.append(f"{name}: expected {_format_shape(shape)}, found {_format_shape(found)}")
+            self._record("mis-shaped", [f"{name}: expected {_format_shape(shape)}, found {_format_shape(found)}"])
+        stored_dtype = getattr(self._stored[name], "dtype", None)
+        if stored_dtype is None:
+            return
+        if dtype is None and not stored_dtype.is_floating_point:
+            self._record("with a wrong dtype", [f"{name}: stored as {_dtype_name(stored_dtype)}, expected a "
+                                                "floating-point dtype"])
+        elif dtype is not None and stored_dtype != dtype:
+            self._record("with a wrong dtype", [f"{name}: stored as {_dtype_name(stored_dtype)}, expected "
+                                                f"{_dtype_name(dtype)}"])
+
+    def stored_experts(self, stacked_name: str, num_experts: int, expert_shape: tuple[int, ...]) -> list[int]:
+        """Indices below ``num_experts`` of the experts of ``stacked_name`` that have a stored tensor; the others
+        are recorded as missing (counted; the first few named), without enumerating the names of absent ones."""
+        present = sorted(e for e in self._experts.get(stacked_name, ()) if e < num_experts)
+        if len(present) < num_experts:
+            have = set(present)
+            absent = (f"{expert_weight_name(stacked_name, e)}: expected {_format_shape(expert_shape)}"
+                      for e in range(num_experts) if e not in have)
+            self._record("missing", absent, num_experts - len(present))
+        return present
 
     def load(self, name: str) -> Tensor:
         tensor = self._stored[name]
         return tensor if isinstance(tensor, Tensor) else tensor.load()
 
     def raise_on_problems(self) -> None:
-        unexpected = [f"{name}: found {_format_shape(_shape_of(tensor))}"
-                      for name, tensor in self._stored.items() if name not in self._claimed]
-        sections = [("missing", self._missing), ("unexpected", unexpected), ("mis-shaped", self._misshaped)]
-        problems = sum(len(lines) for _, lines in sections)
+        """Raise one ``CheckpointError`` line: the count of each kind of problem and its first few names."""
+        unexpected = [name for name in self._stored if name not in self._claimed]
+        if unexpected:
+            self._record("unexpected", (f"{name}: found {_format_shape(_shape_of(self._stored[name]))}"
+                                        for name in unexpected), len(unexpected))
+        problems = sum(self._counts.values())
         if not problems:
             return
-        report = [f"checkpoint does not match the model ({problems} problems):"]
-        for title, lines in sections:
-            if lines:
-                report.append(f"  {title} ({len(lines)}):")
-                report.extend(f"    {line}" for line in lines)
-        raise CheckpointError("\n".join(report))
+        report = ", ".join(f"{count:,} {kind} ({summarize(self._lines[kind], count, sep='; ')})"
+                           for kind, count in self._counts.items() if count)
+        raise CheckpointError(f"checkpoint does not match the model ({problems:,} problem{'s' * (problems > 1)}): "
+                              f"{report}")
+
+
+_PROBLEM_KINDS = ("missing", "unexpected", "mis-shaped", "with a wrong dtype")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

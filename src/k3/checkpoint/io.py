@@ -1,4 +1,4 @@
-"""Reading and writing safetensors checkpoint directories in the official layout (spec §11.1).
+"""Reading and writing safetensors checkpoint directories in the official layout (docs/architecture.md §11.1).
 
 A checkpoint directory holds either one ``model.safetensors`` or shards ``model-0000i-of-0000N.safetensors``
 listed by ``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``).
@@ -11,15 +11,14 @@ import contextlib
 import json
 import os
 import re
-import shutil
-import tempfile
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -31,6 +30,8 @@ from k3.checkpoint.hf import (
     from_hf_state_dict,
     to_hf_state_dict,
 )
+from k3.config import show_value, summarize
+from k3.fileio import atomic_path, atomic_write, fsync_directory, remove_stale_temporaries, staging_dir
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -51,15 +52,30 @@ def load_checkpoint_state(
 
     ``path`` is a checkpoint directory (sharded with an index, or one ``model.safetensors``) or a single
     ``.safetensors`` file. ``expected`` maps internal names to shapes or tensors (e.g. ``model.state_dict()``,
-    meta tensors are fine). Names and shapes are validated before any data is read; see
-    ``from_hf_state_dict`` for the translation and dtype rules.
+    meta tensors are fine). Names, shapes and dtypes are validated before any data is read; see
+    ``from_hf_state_dict`` for the translation and dtype rules. A malformed checkpoint (a truncated or foreign
+    weight file, a bad index, an index entry naming a file outside the directory) raises a one-line
+    ``CheckpointError`` naming the file and the problem.
     """
     with contextlib.ExitStack() as open_files:
         stored = {}
         for file, listed in _weight_files(Path(path)).items():
-            handle = open_files.enter_context(safe_open(file, framework="pt"))
-            stored.update((name, _SafetensorsEntry(handle, name)) for name in _names_to_read(file, handle, listed))
+            handle = open_files.enter_context(_open_safetensors(file))
+            stored.update((name, _SafetensorsEntry(handle, name, file))
+                          for name in _names_to_read(file, handle, listed))
         return from_hf_state_dict(stored, expected, dtype)
+
+
+_SAFETENSORS_DTYPES = {code: getattr(torch, name) for code, name in (
+    ("BOOL", "bool"), ("U8", "uint8"), ("I8", "int8"), ("U16", "uint16"), ("I16", "int16"), ("U32", "uint32"),
+    ("I32", "int32"), ("U64", "uint64"), ("I64", "int64"), ("F16", "float16"), ("BF16", "bfloat16"),
+    ("F32", "float32"), ("F64", "float64"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+    ("F8_E8M0", "float8_e8m0fnu"), ("C64", "complex64"),
+) if hasattr(torch, name)}
+"""safetensors dtype codes -> torch dtypes."""
+
+_MAX_HEADER_SIZE = 100_000_000
+"""safetensors' own limit on the JSON header of a file."""
 
 
 @dataclass(frozen=True)
@@ -68,19 +84,78 @@ class _SafetensorsEntry:
 
     handle: Any
     name: str
+    file: Path
 
     @property
     def shape(self) -> list[int]:
         return self.handle.get_slice(self.name).get_shape()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        code = self.handle.get_slice(self.name).get_dtype()
+        if code not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{self.file}: tensor {self.name} has dtype {code}, which torch cannot load")
+        return _SAFETENSORS_DTYPES[code]
+
     def load(self) -> Tensor:
-        return self.handle.get_tensor(self.name)
+        try:
+            return self.handle.get_tensor(self.name)
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(f"{self.file}: cannot read tensor {self.name} ({error})") from None
+
+
+def _open_safetensors(file: Path) -> Any:
+    """``safe_open(file)``, after checking the file's framing so that an empty, truncated or foreign file is
+    reported as a ``CheckpointError`` naming it and the problem (safetensors' own errors are wrapped too)."""
+    _check_safetensors_framing(file)
+    try:
+        return safe_open(file, framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{file}: not a valid safetensors file ({error})") from None
+
+
+def _check_safetensors_framing(file: Path) -> None:
+    """An 8-byte little-endian header length, a JSON header, then exactly the data the header describes."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as fh:
+            if size < 8:
+                raise CheckpointError(f"{file}: {'empty file' if size == 0 else f'only {size} bytes'}, not a "
+                                      "safetensors file (it starts with an 8-byte header length)")
+            (header_size,) = struct.unpack("<Q", fh.read(8))
+            if header_size > min(size - 8, _MAX_HEADER_SIZE):
+                raise CheckpointError(f"{file}: truncated or not a safetensors file: its first 8 bytes announce a "
+                                      f"{header_size:,}-byte header but the file has {size:,} bytes")
+            raw_header = fh.read(header_size)
+    except OSError as error:
+        raise CheckpointError(f"{file}: cannot read ({error.strerror or error})") from None
+    try:
+        header = json.loads(raw_header)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{file}: not a safetensors file: its header is not valid JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: not a safetensors file: its header is not a JSON object")
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"
+            and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list)
+            and len(entry["data_offsets"]) == 2 and isinstance(entry["data_offsets"][1], int)]
+    described, present = max(ends, default=0), size - 8 - header_size
+    if described > present:
+        raise CheckpointError(f"{file}: truncated: its header describes {described:,} bytes of tensor data but only "
+                              f"{present:,} follow the header")
+    if described < present:
+        raise CheckpointError(f"{file}: {present - described:,} bytes follow the {described:,} bytes of tensor data "
+                              "its header describes (not a safetensors file, or two files joined)")
 
 
 def _weight_files(path: Path) -> dict[Path, list[str] | None]:
     """Map each weight file of a checkpoint to the names the index assigns to it (None: no index)."""
     if path.is_file():
+        if path.suffix != ".safetensors":
+            raise CheckpointError(f"{path} is a file but not a .safetensors file; expected a checkpoint directory "
+                                  "(config.json + safetensors weights) or a .safetensors file")
         return {path: None}
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path}: it does not exist")
     if (path / INDEX_FILE).is_file():
         return _indexed_files(path)
     if (path / SINGLE_FILE).is_file():
@@ -89,19 +164,51 @@ def _weight_files(path: Path) -> dict[Path, list[str] | None]:
 
 
 def _indexed_files(directory: Path) -> dict[Path, list[str]]:
-    """Group the ``weight_map`` of ``model.safetensors.index.json`` by file, checking every file exists."""
+    """Group the ``weight_map`` of ``model.safetensors.index.json`` by file, checking every file exists.
+
+    Only files directly inside ``directory`` may be named: an entry with a path separator, an absolute path,
+    ``.`` or ``..`` is refused (symlinks in the directory are followed, as in a Hugging Face cache snapshot).
+    """
     index_path = directory / INDEX_FILE
     try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{index_path} is not a valid safetensors index: {error!r}") from error
+        index = json.loads(index_path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{index_path}: not valid JSON ({error})") from None
+    except OSError as error:
+        raise CheckpointError(f"{index_path}: cannot read ({error.strerror or error})") from None
+    if not isinstance(index, dict) or "weight_map" not in index:
+        found = f"keys {summarize(index)}" if isinstance(index, dict) else show_value(index)
+        raise CheckpointError(f"{index_path}: must be a JSON object with a weight_map, got {found}")
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: weight_map must be an object mapping tensor names to file names, "
+                              f"got {show_value(weight_map)}")
     files: dict[Path, list[str]] = {}
+    not_names, outside = [], []
     for name, file in weight_map.items():
-        files.setdefault(directory / file, []).append(name)
+        if not isinstance(file, str):
+            not_names.append(f"{name}: {show_value(file)}")
+        elif not _is_plain_file_name(file):
+            outside.append(f"{name}: {show_value(file, width=300)}")
+        else:
+            files.setdefault(directory / file, []).append(name)
+    if not_names:
+        raise CheckpointError(f"{index_path}: weight_map values must be file names (strings); {len(not_names):,} "
+                              f"{'is' if len(not_names) == 1 else 'are'} not: {summarize(not_names, sep='; ')}")
+    if outside:
+        raise CheckpointError(f"{index_path}: weight_map may only name files inside the checkpoint directory; "
+                              f"{len(outside):,} {'entry does' if len(outside) == 1 else 'entries do'} not: "
+                              f"{summarize(outside, sep='; ')}")
     absent = sorted(file.name for file in files if not file.is_file())
     if absent:
-        raise CheckpointError(f"{index_path} refers to missing files: {', '.join(absent)}")
+        raise CheckpointError(f"{index_path} refers to missing files: {summarize(absent)}")
     return files
+
+
+def _is_plain_file_name(file: str) -> bool:
+    """Whether an index entry is the name of a file directly inside the checkpoint directory."""
+    return (file not in ("", ".", "..") and "/" not in file and "\\" not in file and "\0" not in file
+            and not os.path.isabs(file) and Path(file).name == file)
 
 
 def _names_to_read(file: Path, handle: Any, listed: list[str] | None) -> list[str]:
@@ -111,8 +218,8 @@ def _names_to_read(file: Path, handle: Any, listed: list[str] | None) -> list[st
         return available
     absent = sorted(set(listed).difference(available))
     if absent:
-        names = ", ".join(absent)
-        raise CheckpointError(f"{INDEX_FILE} places tensors in {file.name} that it does not contain: {names}")
+        raise CheckpointError(f"{INDEX_FILE} places tensors in {file.name} that it does not contain: "
+                              f"{summarize(absent)}")
     return listed
 
 
@@ -137,7 +244,9 @@ def save_checkpoint_state(
 
     The files are staged in a temporary directory inside ``path`` and moved in so that an interrupted save
     never looks like a complete checkpoint (see ``_commit``). Other files in ``path`` (config, tokenizer) are
-    kept; weight files of a previous save that the new one does not use are removed.
+    kept; weight files of a previous save that the new one does not use are removed, and so are temporaries
+    (``.tmp*``) that a killed save left in ``path`` (one writer per directory: ``k3.fileio``). Files get the
+    umask's permissions.
     """
     if prefix not in ("", LANGUAGE_MODEL_PREFIX):
         raise ValueError(f"prefix must be '' or {LANGUAGE_MODEL_PREFIX!r}, got {prefix!r}")
@@ -147,15 +256,14 @@ def save_checkpoint_state(
                for name, tensor in to_hf_state_dict(state_dict, num_kda_heads).items()}
     shards = _plan_shards(tensors, max_shard_size)
     header = dict(metadata or {"format": "pt"})
-    staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=directory))
-    try:
+    remove_stale_temporaries(directory)
+    with staging_dir(directory) as staging:
         for file, names in shards.items():
-            save_file({name: _standalone(tensors[name]) for name in names}, staging / file, metadata=header)
+            with atomic_path(staging / file) as tmp:  # fsync'ed, umask permissions (safetensors makes 0o600)
+                save_file({name: _standalone(tensors[name]) for name in names}, tmp, metadata=header)
         if len(shards) > 1:
             _write_index(staging / INDEX_FILE, tensors, shards)
         _commit(staging, directory, list(shards))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _plan_shards(tensors: Mapping[str, Tensor], max_shard_size: int) -> dict[str, list[str]]:
@@ -183,7 +291,7 @@ def _write_index(index_path: Path, tensors: Mapping[str, Tensor], shards: Mappin
         "metadata": {"total_size": sum(_nbytes(tensor) for tensor in tensors.values())},
         "weight_map": dict(sorted(weight_map.items())),
     }
-    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    atomic_write(index_path, json.dumps(index, indent=2) + "\n")
 
 
 def _commit(staging: Path, directory: Path, files: Sequence[str]) -> None:
@@ -204,6 +312,7 @@ def _commit(staging: Path, directory: Path, files: Sequence[str]) -> None:
     for stale in directory.iterdir():
         if _WEIGHT_FILE.fullmatch(stale.name) and stale.name not in files:
             stale.unlink()
+    fsync_directory(directory)
 
 
 def _standalone(tensor: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""MXFP4 weights in the compressed-tensors ``mxfp4-pack-quantized`` format (spec §11.5).
+"""MXFP4 weights in the compressed-tensors ``mxfp4-pack-quantized`` format (docs/architecture.md §11.5).
 
 A logical weight ``W [out, in]`` is stored as
 

@@ -61,10 +61,11 @@ class PretrainedMixin:
         return model
 
     def save_pretrained(self, path: str | os.PathLike, max_shard_size: int = 5 * 2**30) -> None:
-        """Write `config.json` + safetensors in the official names, `language_model.` prefixed when the config
-        is multimodal. Routed experts are written dense, so `quantization_config` is dropped."""
+        """Write `config.json` + safetensors in the official names and the released layout: the multimodal top
+        level (a text-only model's without `vision_config`, `K3Config.released_layout`) and the text tensors
+        prefixed `language_model.`. Routed experts are written dense, so `quantization_config` is dropped."""
         os.makedirs(path, exist_ok=True)
-        config = dense_checkpoint_config(self.config)
+        config = dense_checkpoint_config(self.config).released_layout()
         prefix = "" if config.multimodal is None else LANGUAGE_MODEL_PREFIX
         save_checkpoint_state(path, self.official_state_dict(), config.kda_num_heads, max_shard_size=max_shard_size,
                               prefix=prefix)

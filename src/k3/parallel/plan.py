@@ -1,4 +1,4 @@
-"""Analytic per-GPU memory and communication plan for distributed K3 training (§2, §3.5, §4.3, §5.4, §6.4, §8.1).
+"""Analytic per-GPU memory and communication plan for distributed K3 training (docs/architecture.md §2, §3.5, §4.3, §5.4, §6.4, §8.1).
 
 `plan(config, gpus, gpu_memory_gib, ep=..., tp=..., pp=..., micro_batch=..., seq_len=...)` returns a `Plan` (every
 number in bytes or elements, exact integers from the real parameter shapes); `format_plan` prints it, `Plan.to_dict`

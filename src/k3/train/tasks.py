@@ -22,9 +22,11 @@ from k3.config import K3Config
 from k3.inference import generate
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 from k3.ops.loss import IGNORE_INDEX
+from k3.fileio import atomic_path, atomic_write
 from k3.tokenizer import K3Tokenizer, train_bpe
 from k3.train import plots
-from k3.train.data import Batches, prepare_data, validation_batches
+from k3.train.checkpoint import IncompatibleResume
+from k3.train.data import Batches, corpus_fingerprint, prepare_data, validation_batches
 from k3.train.shapes import all_captions, caption, render, scene_for
 from k3.vision.processor import K3Processor, process_image
 
@@ -47,6 +49,8 @@ class TextTask:
                              f"fewer than batch_size={batch_size}")
         self.tokenizer: K3Tokenizer = self.data.tokenizer
         self.batches = Batches(self.data.train, batch_size, seed=seed)
+        self.source = "the default corpus" if data is None else repr(data)
+        self.corpus_sha256 = corpus_fingerprint([d.text for d in self.data.documents])
         self.reference = self.data.unigram_entropy  # the loss of a context-free model (nats/token)
 
     @classmethod
@@ -72,9 +76,14 @@ class TextTask:
         """Task-specific artefacts of a finished run (none for text)."""
 
     def state_dict(self) -> dict:
-        return self.batches.state_dict()
+        """The batch position and the corpus fingerprint (a resume refuses a corpus that changed)."""
+        return {**self.batches.state_dict(), "corpus_sha256": self.corpus_sha256}
 
     def load_state_dict(self, state: dict) -> None:
+        """IncompatibleResume when the corpus is not the run's (checkpoints without a fingerprint: not checked)."""
+        if state.get("corpus_sha256", self.corpus_sha256) != self.corpus_sha256:
+            raise IncompatibleResume(f"--resume: the corpus at {self.source} is not the one this run was trained "
+                                     "on (its contents changed); train on it in a new run (another --out)")
         self.batches.load_state_dict(state)
 
     def probe_batch(self) -> dict[str, torch.Tensor]:
@@ -158,7 +167,7 @@ class ShapesTask:
 
     @staticmethod
     def counted_tokens(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Real positions of the MERGED sequence (text and image features; §13 row 9: all non-pad tokens)."""
+        """Real positions of the MERGED sequence (text and image features; docs/architecture.md §13 row 9: all non-pad tokens)."""
         return model.merged_attention_mask(batch["input_ids"], batch["grid_thws"], batch["attention_mask"])
 
     def val_batches(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -201,10 +210,11 @@ class ShapesTask:
         predicted = self.captions(model, [img for img, _ in chosen])
         lines = []
         for i, ((img, truth), guess) in enumerate(zip(chosen, predicted)):
-            img.save(examples / f"held_out_{i}.png")
+            with atomic_path(examples / f"held_out_{i}.png") as tmp:
+                img.save(tmp)
             lines.append(f"held_out_{i}.png  {img.size[0]}x{img.size[1]}  {'OK ' if guess == truth else 'BAD'}  "
                          f"true: {truth!r}  model: {guess!r}")
-        (examples / "captions.txt").write_text("\n".join(lines) + "\n")
+        atomic_write(examples / "captions.txt", "\n".join(lines) + "\n")
         plots.plot_captions([img for img, _ in chosen], [t for _, t in chosen], predicted, examples / "examples.png")
 
     def state_dict(self) -> dict:

@@ -1,4 +1,4 @@
-"""Vision: MoonViT-V2 encoder, patch merger + projector (spec §9)."""
+"""Vision: MoonViT-V2 encoder, patch merger + projector (docs/architecture.md §9)."""
 
 from k3.vision.moonvit import MoonViT, check_grids
 from k3.vision.projector import PatchMergerProjector, merge_patches

@@ -1,4 +1,4 @@
-"""MoonViT-V2, the K3 vision encoder (module `vision_tower`; spec §9.1, §9.3–§9.6, §9.11).
+"""MoonViT-V2, the K3 vision encoder (module `vision_tower`; docs/architecture.md §9.1, §9.3–§9.6, §9.11).
 
 All patches of all media items of a batch run as one packed stream (native resolution, no padding between items);
 `grid_thws` [I, 3] gives each item's (t, h, w) patch grid, and attention is block-diagonal per item: different

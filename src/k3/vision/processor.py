@@ -1,6 +1,8 @@
-"""Media pre-processing and text interleaving (spec §1.2, §9.1, §9.2, §9.9, §9.10, §10, §13 rows 11–12).
+"""Media pre-processing and text interleaving (docs/architecture.md §1.2, §9.1, §9.2, §9.9, §9.10, §10, §13 rows 11–12).
 
 * `ImageProcessorConfig` reads and writes the released `preprocessor_config.json` (`media_proc_cfg`, §1.2).
+* `load_image` opens an image file: one-line ValueErrors naming the file, EXIF orientation applied, Pillow's
+  decompression-bomb limit kept (see its docstring).
 * `process_image` turns one image into a `MediaItem`: RGB(A) decode → §9.2 resize → RGBA composite → pad to
   multiples of 28 → normalise → patchify, grid (1, h, w), (h/2)(w/2) LLM tokens.
 * `process_video` groups already-sampled frames into chunks of ≤ 4 frames, one `MediaItem` (t ≤ 4, h, w) each,
@@ -8,23 +10,33 @@
 * `K3Processor` replaces the chat renderer's placeholder strings by the media framing of §9.9 (one
   `<|media_pad|>` per item; the model expands it to the item's features) and packs a padded batch.
 
+Animated images (GIF, APNG, WebP, multi-page TIFF with more than one frame) are videos: given as an image to
+`K3Processor` (or `k3 generate --image`), every frame is kept and encoded through the video path — ≤ 4-frame chunks,
+each framed as "video" with its timestamp — in place of the image placeholder. `process_image`, which returns one
+image, refuses them with a ValueError saying so; `process_video` accepts them. Other multi-frame formats (MPO
+photos with a depth map or preview, PSD layers, icons) are still images: their first frame is the picture.
+
 Shape suffixes: T frames, 3 colour channels, H/W pixel rows/columns, N patches, P patch side (14).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import math
 import os
 import re
-import tempfile
+import struct
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import ExifTags, Image, ImageOps
 
+from k3.fileio import atomic_write
 from k3.tokenizer import K3Tokenizer
 
 __all__ = [
@@ -32,6 +44,7 @@ __all__ = [
     "K3Processor",
     "MediaItem",
     "format_timestamp",
+    "load_image",
     "num_image_tokens",
     "patchify",
     "process_image",
@@ -43,12 +56,16 @@ CONFIG_FILE = "preprocessor_config.json"
 _NESTED_KEY = "media_proc_cfg"  # the released file keeps every processor field inside this object (§1.2)
 _BG_KEY = "transparent_bg_config"  # released RGBA-background object (§9.2); its colour key is not published
 _BG_COLOR_KEYS = ("bg_color", "background_color", "color")  # accepted spellings of that colour; "bg_color" written
-_HIGH_DEPTH_MODES = frozenset({"I", "F", "I;16", "I;16B", "I;16L", "I;16N"})  # PIL would clip these to 8 bits
+_HIGH_DEPTH_MODES = frozenset({"I", "F"})  # PIL would clip these to 8 bits; their range is not known
+_16_BIT_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N"})  # 0..65535 grayscale (16-bit PNG): scaled to 8 bits
+_ANIMATION_FORMATS = frozenset({"GIF", "PNG", "WEBP", "TIFF"})  # their frames are a sequence in time (or pages)
+_DECODE_ERRORS = (OSError, EOFError, SyntaxError, TypeError, struct.error, IndexError)  # Pillow's on corrupt data
+_BOMB_SIZE = re.compile(r"\((\d+) pixels\)")  # Pillow's DecompressionBombError text: "Image size (N pixels) ..."
 
 
 @dataclass
 class ImageProcessorConfig:
-    """The released pre-processor configuration (spec §1.2 `media_proc_cfg`) plus the [U] knobs of §13 rows 11–12.
+    """The released pre-processor configuration (§1.2 `media_proc_cfg`) plus the [U] knobs of §13 rows 11–12.
 
     `extra` keeps unknown keys of the `media_proc_cfg` object (or of a flat dict); `file_extra` keeps the other
     top-level keys of a nested file (e.g. `auto_map`). Both are written back unchanged.
@@ -161,14 +178,7 @@ class ImageProcessorConfig:
         """Write `preprocessor_config.json` into `directory` (created if needed) atomically (tmp, then replace)."""
         os.makedirs(directory, exist_ok=True)
         text = json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{CONFIG_FILE}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, os.path.join(directory, CONFIG_FILE))
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        atomic_write(os.path.join(directory, CONFIG_FILE), text)
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> ImageProcessorConfig:
@@ -318,17 +328,96 @@ def _array_to_pil(array: np.ndarray) -> Image.Image:
     return Image.fromarray(np.ascontiguousarray(array))
 
 
+def _bomb_message(name: str, error: Exception) -> str:
+    match = _BOMB_SIZE.search(str(error))
+    if match is None or not Image.MAX_IMAGE_PIXELS:
+        return f"image {name!r} is refused by Pillow's decompression-bomb guard: {error}"
+    return (f"image {name!r} is {int(match.group(1)):,} pixels, more than Pillow's safety limit of "
+            f"{2 * Image.MAX_IMAGE_PIXELS:,} (2 x PIL.Image.MAX_IMAGE_PIXELS, a guard against decompression bombs); "
+            "raise PIL.Image.MAX_IMAGE_PIXELS to open a file you trust")
+
+
+def _is_animation(pil: Image.Image) -> bool:
+    """True for a GIF / APNG / WebP / TIFF file with more than one frame (module docstring)."""
+    if pil.format not in _ANIMATION_FORMATS:
+        return False
+    try:
+        return getattr(pil, "n_frames", 1) > 1
+    except _DECODE_ERRORS as e:  # counting GIF frames reads the whole file
+        raise ValueError(f"cannot decode image: {e}") from None
+
+
+def load_image(path: str | os.PathLike) -> Image.Image:
+    """Open an image file; every failure is a one-line ValueError naming the file.
+
+    * Pillow's decompression-bomb guard is kept as the process has it (a safety feature against malicious files):
+      a file of more than 2 x `PIL.Image.MAX_IMAGE_PIXELS` pixels (178,956,970 by default) is refused here; between
+      1x and 2x Pillow only warns (DecompressionBombWarning) and the image is used (it is downscaled to ≤ 65,536
+      patches anyway). To open a larger file you trust, raise `PIL.Image.MAX_IMAGE_PIXELS` yourself.
+    * A still image is decoded at once, so a truncated or corrupt file fails here, and it is turned upright by its
+      EXIF orientation tag (a phone photo stored sideways), as image viewers show it.
+    * An animated image (module docstring) is returned undecoded: its frames are decoded one at a time when encoded.
+    """
+    name = os.fspath(path)
+    try:
+        pil = Image.open(name)
+    except Image.DecompressionBombError as e:
+        raise ValueError(_bomb_message(name, e)) from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read image {name!r}: {e}") from None
+    try:
+        if _is_animation(pil):
+            return pil
+        pil.load()
+        if pil.getexif().get(ExifTags.Base.Orientation, 1) in range(2, 9):
+            ImageOps.exif_transpose(pil, in_place=True)  # in place: the image keeps its file name
+    except Image.DecompressionBombError as e:  # Pillow checks the size on open; kept in case a frame is checked
+        pil.close()
+        raise ValueError(_bomb_message(name, e)) from None
+    except (ValueError, *_DECODE_ERRORS) as e:
+        pil.close()
+        message = str(e).removeprefix("cannot decode image: ")
+        raise ValueError(f"cannot decode image {name!r}: {message}") from None
+    return pil
+
+
+@contextlib.contextmanager
+def _opened(media: Any) -> Iterator[Any]:
+    """`media` itself, or the image of a file path (`load_image`), closed on exit."""
+    if not isinstance(media, (str, os.PathLike)):
+        yield media
+        return
+    pil = load_image(media)
+    try:
+        yield pil
+    finally:
+        pil.close()
+
+
+def _media_name(media: Any) -> str | None:
+    """The file name of a path or of a PIL image read from a file, for error messages."""
+    if isinstance(media, (str, os.PathLike)):
+        return os.fspath(media)
+    return (getattr(media, "filename", None) or None) if isinstance(media, Image.Image) else None
+
+
 def _decode(image: Any) -> Image.Image:
     """§9.2 step 1 up to the composite: an "RGB" or "RGBA" PIL image (alpha kept when the input has one)."""
     if isinstance(image, np.ndarray):
         pil = _array_to_pil(image)
     elif isinstance(image, Image.Image):
         pil = image
+        try:
+            pil.load()  # a lazily opened file decodes here: a truncated or corrupt file fails now
+        except _DECODE_ERRORS as e:
+            raise ValueError(f"cannot decode image: {e}") from None
     else:
-        raise ValueError(f"expected a PIL image or a numpy [H, W, C] array, got {type(image).__module__}."
-                         f"{type(image).__qualname__}")
+        raise ValueError(f"expected a PIL image, a numpy [H, W, C] array or an image file path, got "
+                         f"{type(image).__module__}.{type(image).__qualname__}")
     if pil.width == 0 or pil.height == 0:
         raise ValueError(f"image is empty ({pil.width}x{pil.height})")
+    if pil.mode in _16_BIT_MODES:  # 16-bit grayscale → 8 bits: round(v / 257) in exact integer arithmetic
+        pil = Image.fromarray(((np.asarray(pil).astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8))
     if pil.mode in _HIGH_DEPTH_MODES:
         raise ValueError(f"PIL mode {pil.mode!r} is not 8-bit; convert it to 'L', 'RGB' or 'RGBA' first")
     if pil.mode in ("RGB", "RGBA"):
@@ -374,16 +463,26 @@ def _media_item(pixels_T3HW: torch.Tensor, kind: str, size: tuple[int, int], con
 
 
 def process_image(image: Any, config: ImageProcessorConfig | None = None) -> MediaItem:
-    """One image → MediaItem (§9.2): a PIL image of any 8-bit mode or a numpy [H, W] / [H, W, 3] / [H, W, 4] array
-    (uint8 0..255 or float 0..1)."""
+    """One image → MediaItem (§9.2): a PIL image of any 8-bit mode or 16-bit grayscale, an image file path
+    (`load_image`), or a numpy [H, W] / [H, W, 3] / [H, W, 4] array (uint8 0..255 or float 0..1).
+
+    An animated image is a ValueError (it is a video: module docstring); give it to `process_video` or K3Processor.
+    """
     config = config or ImageProcessorConfig()
-    pil = _decode(image)
-    size = resize_size(pil.width, pil.height, config)
-    pixels_3HW = _normalised_3HW(_resized_rgb_HW3(pil, size, config), config)
+    with _opened(image) as media:
+        if isinstance(media, Image.Image) and _is_animation(media):
+            raise ValueError(f"animated image with {media.n_frames} frames: process_image encodes one image; pass it "
+                             "to process_video, or to K3Processor, which encodes an animation as video chunks")
+        pil = _decode(media)
+        size = resize_size(pil.width, pil.height, config)
+        pixels_3HW = _normalised_3HW(_resized_rgb_HW3(pil, size, config), config)
     return _media_item(pixels_3HW[None], "image", pil.size, config)
 
 
 def _frame_list(frames: Any) -> list[Any]:
+    if isinstance(frames, Image.Image):
+        raise ValueError(f"a video must be a list of frames, a numpy [T, H, W, C] array or an animated image, got a "
+                         f"single still image ({type(frames).__qualname__})")
     if isinstance(frames, np.ndarray):
         if frames.ndim != 4:
             raise ValueError(f"a video array must be [T, H, W, C], got shape {frames.shape}; pass a list of "
@@ -399,30 +498,66 @@ def process_video(frames: Any, config: ImageProcessorConfig | None = None,
                   fps: float | None = None) -> list[MediaItem]:
     """Already-sampled frames → one MediaItem per chunk of ≤ max_frames_per_chunk consecutive frames (§9.10).
 
-    Every frame is resized with the per-frame limit `video_patch_limit_per_frame`; a chunk's patches are
-    frame-major; its timestamp is (index of its first frame) / fps, fps defaulting to `config.video_fps`.
+    `frames` is a list of frames (what `process_image` takes), a numpy [T, H, W, C] array, or an animated image
+    (PIL image or file path; module docstring), all of whose frames are kept. Every frame is resized with the
+    per-frame limit `video_patch_limit_per_frame` as soon as it is decoded; a chunk's patches are frame-major; its
+    timestamp is (index of its first frame) / fps, fps defaulting to `config.video_fps` — for an animated image
+    without `fps`, the display time of its first frame from the file's frame durations, when every frame has one.
     """
     config = config or ImageProcessorConfig()
-    fps = config.video_fps if fps is None else fps
-    if not _is_number(fps) or not math.isfinite(fps) or fps <= 0:
-        raise ValueError(f"fps must be a positive finite number, got {fps!r}")
-    frame_list = _frame_list(frames)
-    if not frame_list:
-        raise ValueError("video has no frames")
-    pils = []
-    for i, frame in enumerate(frame_list):
+    rate = config.video_fps if fps is None else fps
+    if not _is_number(rate) or not math.isfinite(rate) or rate <= 0:
+        raise ValueError(f"fps must be a positive finite number, got {rate!r}")
+    with _opened(frames) as video:
+        animated = isinstance(video, Image.Image) and _is_animation(video)
+        frame_iter = _animation_frames(video) if animated else iter(_frame_list(video))
+        position = video.tell() if animated else 0
+        frames_3HW, durations, first_size, size = [], [], (0, 0), (0, 0)
         try:
-            pils.append(_decode(frame))
-        except ValueError as e:
-            raise ValueError(f"frame {i}: {e}") from None
-        if pils[i].size != pils[0].size:
-            raise ValueError(f"frame {i} is {pils[i].width}x{pils[i].height} but frame 0 is "
-                             f"{pils[0].width}x{pils[0].height}; all frames of a video must share one size")
-    size = resize_size(pils[0].width, pils[0].height, config, config.video_patch_limit_per_frame)
-    frames_T3HW = torch.stack([_normalised_3HW(_resized_rgb_HW3(pil, size, config), config) for pil in pils])
+            for i in itertools.count():
+                try:
+                    frame = next(frame_iter, _END)  # an animation seeks to its next frame here
+                except _DECODE_ERRORS as e:
+                    raise ValueError(f"frame {i}: cannot decode image: {e}") from None
+                if frame is _END:
+                    break
+                try:
+                    pil = _decode(frame)
+                    if i == 0:
+                        first_size = pil.size
+                        size = resize_size(pil.width, pil.height, config, config.video_patch_limit_per_frame)
+                    if pil.size == first_size:
+                        frames_3HW.append(_normalised_3HW(_resized_rgb_HW3(pil, size, config), config))
+                except ValueError as e:
+                    raise ValueError(f"frame {i}: {e}") from None
+                if pil.size != first_size:
+                    raise ValueError(f"frame {i} is {pil.width}x{pil.height} but frame 0 is "
+                                     f"{first_size[0]}x{first_size[1]}; all frames of a video must share one size")
+                if animated:
+                    durations.append(video.info.get("duration"))
+        finally:
+            if animated:  # leave a caller's image at the frame it was on
+                with contextlib.suppress(ValueError, *_DECODE_ERRORS):
+                    video.seek(position)
+    if not frames_3HW:
+        raise ValueError("video has no frames")
+    if animated and fps is None and all(_is_number(d) and d > 0 for d in durations):
+        starts = [float(t) / 1000 for t in np.cumsum([0, *durations[:-1]])]  # milliseconds → seconds
+    else:
+        starts = [i / rate for i in range(len(frames_3HW))]
     k = config.max_frames_per_chunk
-    return [_media_item(frames_T3HW[start:start + k], "video", pils[0].size, config, start / fps)
-            for start in range(0, len(pils), k)]
+    return [_media_item(torch.stack(frames_3HW[start:start + k]), "video", first_size, config, starts[start])
+            for start in range(0, len(frames_3HW), k)]
+
+
+_END = object()
+
+
+def _animation_frames(pil: Image.Image) -> Iterator[Image.Image]:
+    """The frames of an animated image in order: the image itself, seeked, valid until the next frame is read."""
+    for index in range(pil.n_frames):
+        pil.seek(index)
+        yield pil
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -442,6 +577,9 @@ class K3Processor:
 
     Framing [U] (§13 row 12): image = `<|media_begin|>image {W}x{H}<|media_content|><|media_pad|><|media_end|>`
     with the original size; each video chunk is the same with "video", preceded by its "hh:mm:ss.fff" timestamp.
+    Images are PIL images, numpy arrays or file paths (`load_image`); an animated image given as an image is
+    encoded as the video chunks of its frames in place of its placeholder (module docstring). Errors are one-line
+    ValueErrors naming the item (`images[i]`, with its file name when it has one).
     Text is encoded with special-token parsing disabled; framing tokens are inserted by id.
     """
 
@@ -503,7 +641,7 @@ class K3Processor:
             row: list[int] = []
             for piece in row_pieces:
                 if piece == self.IMAGE_PLACEHOLDER:
-                    new_items = [self._annotate(process_image, image_list[n_images], f"images[{n_images}]")]
+                    new_items = self._annotate(_image_items, image_list[n_images], f"images[{n_images}]")
                     n_images += 1
                 elif piece == self.VIDEO_PLACEHOLDER:
                     new_items = self._annotate(process_video, video_list[n_videos], f"videos[{n_videos}]")
@@ -528,6 +666,9 @@ class K3Processor:
         try:
             return process(media, self.config)
         except ValueError as e:
+            name = _media_name(media)
+            if name is not None and repr(name) not in str(e):
+                where += f" ({name!r})"
             raise ValueError(f"{where}: {e}") from None
 
     def pad(self, rows: list[list[int]], side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
@@ -557,6 +698,14 @@ class K3Processor:
         return cls(tokenizer, ImageProcessorConfig.load(directory))
 
 
+def _image_items(image: Any, config: ImageProcessorConfig) -> list[MediaItem]:
+    """An image (or image file) → [its MediaItem]; an animated image → its video chunks (module docstring)."""
+    with _opened(image) as media:
+        if isinstance(media, Image.Image) and _is_animation(media):
+            return process_video(media, config)
+        return [process_image(media, config)]
+
+
 def _image_list(images: Any) -> list[Any]:
     if images is None:
         return []
@@ -572,7 +721,8 @@ def _video_list(videos: Any) -> list[Any]:
     if not isinstance(videos, (list, tuple)):
         raise ValueError(f"videos must be a list of videos, got {type(videos).__qualname__}")
     for i, video in enumerate(videos):
-        if isinstance(video, Image.Image) or (isinstance(video, np.ndarray) and video.ndim < 4):
+        if (isinstance(video, Image.Image) and not _is_animation(video)) or (isinstance(video, np.ndarray)
+                                                                             and video.ndim < 4):
             raise ValueError(f"videos[{i}] is a single frame; videos must be a list of videos, each a list of "
                              "frames or a [T, H, W, C] array")
     return list(videos)

@@ -1,4 +1,4 @@
-"""Patch merger (`sd2_tpool`) and projector (`patchmergerv2`, module `mm_projector`): spec §9.7, §9.8.
+"""Patch merger (`sd2_tpool`) and projector (`patchmergerv2`, module `mm_projector`): docs/architecture.md §9.7, §9.8.
 
 Shape legend: N packed patches, D ViT width, M merged tokens Σ (h/2)(w/2), C text hidden size.
 """

@@ -90,21 +90,26 @@ def test_non_finite_loss_stops_with_a_clear_message(corpus, tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_0000002"
 
 
-def test_ctrl_c_saves_a_checkpoint(corpus, tmp_path):
-    """The first SIGINT finishes the current step, checkpoints and stops; --resume continues from there."""
+@pytest.mark.parametrize("signum, name", [(signal.SIGINT, "SIGINT"), (signal.SIGTERM, "SIGTERM")])
+def test_a_stop_signal_saves_a_checkpoint(corpus, tmp_path, signum, name):
+    """The first SIGINT (Ctrl-C) or SIGTERM (a scheduler's warning) finishes the current step, checkpoints and
+    stops; the handler is removed after the run; --resume continues from there."""
+    previous = signal.getsignal(signum)
     trainer = Trainer(_args(corpus, tmp_path))
     step = trainer.train_step
 
     def interrupted_step():
         metrics = step()
         if trainer.step == 2:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signum)
         return metrics
 
     trainer.train_step = interrupted_step
     summary = trainer.run()
-    assert summary["step"] == 2 and not summary["finished"]
+    assert summary["stopped_by"] == name and summary["step"] == 2 and not summary["finished"]
     assert latest_checkpoint(tmp_path).name == "step_0000002"
+    assert signal.getsignal(signum) == previous
+    assert Trainer(TrainArgs(out=str(tmp_path), resume=True)).step == 2
 
 
 def test_activation_checkpointing_changes_nothing(corpus, tmp_path):
@@ -323,22 +328,3 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(corpus, tmp_path,
     assert str(e.value).endswith("step_0000002")
     assert latest_checkpoint(tmp_path).name == "step_0000002"
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000002"]
-
-
-def test_sigterm_saves_a_checkpoint_like_ctrl_c(corpus, tmp_path):
-    """SIGTERM (a scheduler's warning) finishes the current step, checkpoints and stops; --resume continues."""
-    trainer = Trainer(_args(corpus, tmp_path))
-    step = trainer.train_step
-
-    def terminated_step():
-        metrics = step()
-        if trainer.step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return metrics
-
-    trainer.train_step = terminated_step
-    summary = trainer.run()
-    assert summary["stopped_by"] == "SIGTERM" and summary["step"] == 2 and not summary["finished"]
-    assert latest_checkpoint(tmp_path).name == "step_0000002"
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is removed after the run
-    assert Trainer(TrainArgs(out=str(tmp_path), resume=True)).step == 2

@@ -29,6 +29,7 @@ from k3.ops.norm import RMSNorm
 class CausalLMOutput:
     logits: torch.Tensor  # [B, T, V]
     loss: torch.Tensor | None = None  # mean fp32 next-token cross-entropy over labels != IGNORE_INDEX
+    loss_tokens: torch.Tensor | None = None  # how many targets the loss averages (int64 scalar)
 
 
 class K3DecoderLayer(nn.Module):
@@ -180,7 +181,7 @@ class K3ForCausalLM(PretrainedMixin, nn.Module):
         if validate:
             self.check_inputs(input_ids, inputs_embeds, labels)
         logits_BTO = self.lm_head(self.model(input_ids, cache, attention_mask, document_ids, inputs_embeds))
-        loss = None
+        loss = loss_tokens = None
         if labels is not None:
             targets_BT = labels[:, 1:]
             if document_ids is not None:  # never predict across a document boundary
@@ -189,7 +190,8 @@ class K3ForCausalLM(PretrainedMixin, nn.Module):
                 new_BT = attention_mask[:, -labels.shape[1]:].to(labels.device)
                 targets_BT = targets_BT.masked_fill(new_BT[:, :-1] == 0, IGNORE_INDEX)
             loss = next_token_loss(logits_BTO[:, :-1], targets_BT)
-        return CausalLMOutput(logits=logits_BTO, loss=loss)
+            loss_tokens = (targets_BT != IGNORE_INDEX).sum()
+        return CausalLMOutput(logits=logits_BTO, loss=loss, loss_tokens=loss_tokens)
 
     def check_inputs(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None,
                      labels: torch.Tensor | None = None) -> None:

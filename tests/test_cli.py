@@ -389,3 +389,12 @@ def test_sigterm_stops_k3_train_with_a_checkpoint_and_resume_continues(train_cor
     assert f"resumed from {run / 'checkpoints' / f'step_{step:07d}'} at step {step}" in captured.out
     assert f"--steps 500 -> {step + 1}" in captured.out and f"after {step + 1} steps" in captured.out
     assert (run / "model" / "model.safetensors").is_file()
+
+
+def test_plan_prints_the_per_gpu_memory_and_rejects_bad_meshes(capsys):
+    assert main(["plan", "k3-small", "--gpus", "8", "--gpu-memory", "80", "--ep", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fits"] is True and report["total_bytes"] > 0
+    assert main(["plan", "k3-small", "--gpus", "8", "--gpu-memory", "80", "--ep", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k3 plan: error:") and "ep" in err and err.count("\n") == 1

@@ -290,6 +290,16 @@ def _expected_failure(error: BaseException) -> tuple[int, str] | None:
     return None
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from k3.parallel.plan import format_plan, plan
+
+    result = plan(load_config(args.model), args.gpus, args.gpu_memory, ep=args.ep, tp=args.tp, pp=args.pp,
+                  micro_batch=args.micro_batch, seq_len=args.seq_len,
+                  activation_checkpointing=args.activation_checkpointing)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one `k3` command; every expected failure becomes one line `k3 <cmd>: error: ...` on stderr and a
     non-zero exit status (`--debug`: the traceback instead)."""
@@ -303,6 +313,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a checkpoint directory / config.json")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_info)
+    p = sub.add_parser("plan", parents=[debug],
+                       help="per-GPU memory and traffic of training a model on a GPU mesh (analytic)")
+    p.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a checkpoint directory / config.json")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (= pp × tp × dp)")
+    p.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="memory of one GPU in GiB")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides dp and the expert count)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the attention/KDA projections")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages, cut at AttnRes block boundaries")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank and micro-batch")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                   help="recompute each layer in backward (default on)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_plan)
     p = sub.add_parser("generate", parents=[debug],
                        help="stream a continuation of a prompt from a checkpoint directory")
     p.add_argument("checkpoint", help="directory with config.json, safetensors weights and the tokenizer files")

@@ -296,8 +296,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = plan(load_config(args.model), args.gpus, args.gpu_memory, ep=args.ep, tp=args.tp, pp=args.pp,
                   micro_batch=args.micro_batch, seq_len=args.seq_len,
                   activation_checkpointing=args.activation_checkpointing)
-    print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
-    return 0
+    report = result.to_dict()
+    if args.dry_run:
+        report["dry_run"] = _dry_run(args, result)
+    print(json.dumps(report, indent=2) if args.json else format_plan(result))
+    if args.dry_run and not args.json:
+        run = report["dry_run"]
+        print(f"dry run   FSDP2 sharding of the meta-device model under a fake process group of {args.gpus} ranks, "
+              f"rank 0: dense {run['dense_params_per_rank']:,} (plan {result.dense_params_per_rank:,}), experts "
+              f"{run['expert_params_per_rank']:,} (plan {result.expert_params_per_rank:,}): "
+              f"{'match' if run['match'] else 'MISMATCH'}")
+    return 0 if not args.dry_run or report["dry_run"]["match"] else 1
+
+
+def _dry_run(args: argparse.Namespace, result) -> dict:
+    from k3.parallel.dry_run import dry_run
+
+    if (args.ep, args.tp, args.pp) != (1, 1, 1):
+        raise ValueError("--dry-run shards with FSDP2 only so far: give it without --ep, --tp and --pp")
+    counts = dry_run(load_config(args.model), args.gpus)
+    counts["match"] = (counts["dense_params_per_rank"] == result.dense_params_per_rank
+                       and counts["expert_params_per_rank"] == result.expert_params_per_rank)
+    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute each layer in backward (default on)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="also shard the real model on the meta device for --gpus ranks (fake process group) and "
+                        "check rank 0's parameter counts against the plan")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("generate", parents=[debug],

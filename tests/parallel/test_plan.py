@@ -205,3 +205,16 @@ def test_to_dict_is_json(full):
     assert d["groups"]["adamw"]["total_bytes"] == p.groups["adamw"].total_bytes
     assert len(d["stages"]) == 2 and d["all_to_all_latent_ratio"] == pytest.approx(0.5)
     assert json.loads(json.dumps(plan(full, 1024, 141).to_dict()))["all_to_all_latent_ratio"] is None
+
+
+def test_dry_run_shards_the_real_model_like_the_plan():
+    """FSDP2 on the meta device under a fake process group of 16 ranks: rank 0 holds what the plan says."""
+    import subprocess
+    import sys
+
+    code = ("from k3 import K3Config; from k3.parallel.dry_run import dry_run; from k3.parallel.plan import plan; "
+            "c = K3Config.from_preset('k3-small'); d = dry_run(c, 16); p = plan(c, 16, 80); "
+            "print(d['dense_params_per_rank'] == p.dense_params_per_rank, "
+            "d['expert_params_per_rank'] == p.expert_params_per_rank, d['dense_params_per_rank'] > 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["True", "True", "True"], result.stderr[-2000:]

@@ -18,9 +18,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from k3.model.k3 import K3Model
+from k3.model.moe import RoutedExperts
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True,
@@ -29,7 +30,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool =
     (backbone,) = [m for m in model.modules() if isinstance(m, K3Model)]
     ignored = {p for p in model.parameters() if isinstance(p, DTensor)}  # expert parallelism's own layout
     options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None,
-                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+                   shard_placement_fn=_expert_rows_when_too_few(model, mesh.size()))
     for layer in backbone.layers:
         fully_shard(layer, **options)
     fully_shard(model, **{**options, "reshard_after_forward": False})  # the root is needed again at once
@@ -40,3 +42,16 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool =
             if gloo:  # gloo has no PREMUL_SUM: reduce with a plain SUM (the factor is 1 anyway)
                 module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _expert_rows_when_too_few(model: nn.Module, shards: int):
+    """FSDP2 shards dim 0; a stacked expert tensor [E, F, L] with fewer experts than shards would leave ranks
+    empty, so such stacks are sharded on dim 1 (rows of every expert) instead where dim 1 divides evenly (FSDP2
+    shards only dim 0 unevenly)."""
+    stacks = {id(p) for m in model.modules() if isinstance(m, RoutedExperts) for p in m.parameters(recurse=False)}
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        return Shard(1) if id(param) in stacks and param.shape[0] < shards and param.shape[1] % shards == 0 \
+            else None
+
+    return placement

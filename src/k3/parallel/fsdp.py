@@ -14,6 +14,8 @@ are left to it (`ignored_params`).
 
 from __future__ import annotations
 
+import warnings
+
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -35,6 +37,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool =
     for layer in backbone.layers:
         fully_shard(layer, **options)
     fully_shard(model, **{**options, "reshard_after_forward": False})  # the root is needed again at once
+    # FSDP2 warns about every wrapped layer whose outputs include a view; the decoder layers' outputs are only
+    # read (never modified in place), which is the case the warning is about
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPK3DecoderLayer\) returned a view")
     gloo = dist.get_backend(mesh.get_group()) == "gloo"
     for module in model.modules():
         if isinstance(module, FSDPModule):

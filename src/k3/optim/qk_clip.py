@@ -9,11 +9,17 @@ import re
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from k3.model.mla import GatedMLA
 from k3.model.observer import ForwardObserver
 from k3.ops.precision import fp32
+
+if dist.is_available():
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+else:  # a torch build without distributed support: no weight can be a DTensor
+    DTensor = ()
 
 _MLA_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn$")
 
@@ -43,6 +49,10 @@ def qk_clip_(model_or_mla_layers: nn.Module | Mapping[int, GatedMLA], max_logits
     so every logit of head h scales by exactly γ while the head-shared k_pe (in `kv_a_proj_with_mqa`) and
     `q_a_proj` stay unchanged. Other heads' weights are multiplied by exactly 1 (bit-identical). Returns γ [H]
     (fp32, 1 where not clipped) for each layer in `max_logits`.
+
+    Sharded weights (DTensors, e.g. FSDP2 Shard(0) with row chunks that cut through heads) are rescaled on each
+    rank's own rows with the factor of each row's global index (head, and q_nope/q_pe or k_nope/v part): the same
+    result as one process, with no communication here; every rank must pass the same (all-reduced) max logits.
     """
     layers = model_or_mla_layers if isinstance(model_or_mla_layers, Mapping) else mla_layers(model_or_mla_layers)
     gammas = {}
@@ -54,18 +64,35 @@ def qk_clip_(model_or_mla_layers: nn.Module | Mapping[int, GatedMLA], max_logits
         N = cfg.qk_nope_head_dim
         S_max_H = S_max_H.detach().float().to(mla.q_b_proj.weight.device)
         gamma_H = torch.where(S_max_H > tau, tau / S_max_H, torch.ones_like(S_max_H))
-        W_qb_Hdq = mla.q_b_proj.weight.view(mla.num_heads, N + cfg.qk_rope_head_dim, -1)
-        W_kvb_Hdc = mla.kv_b_proj.weight.view(mla.num_heads, N + cfg.v_head_dim, -1)
-        _scale_rows_(W_qb_Hdq[:, :N], gamma_H.sqrt())
-        _scale_rows_(W_qb_Hdq[:, N:], gamma_H)
-        _scale_rows_(W_kvb_Hdc[:, :N], gamma_H.sqrt())
+        # one factor per weight row: head h's rows are [q_nope (N) | q_pe (R)] and [k_nope (N) | v (Vh)]
+        sqrt_gamma_H1, gamma_H1 = gamma_H.sqrt()[:, None], gamma_H[:, None]
+        q_factor_R = torch.cat([sqrt_gamma_H1.expand(-1, N), gamma_H1.expand(-1, cfg.qk_rope_head_dim)], 1)
+        kv_factor_R = torch.cat([sqrt_gamma_H1.expand(-1, N), torch.ones_like(gamma_H1).expand(-1, cfg.v_head_dim)],
+                                1)
+        _scale_rows_(mla.q_b_proj.weight, q_factor_R.flatten())
+        _scale_rows_(mla.kv_b_proj.weight, kv_factor_R.flatten())
         gammas[i] = gamma_H
     return gammas
 
 
-def _scale_rows_(W_HdX: torch.Tensor, factor_H: torch.Tensor) -> None:
-    """W[h] ← W[h]·factor[h] in place (W [H, d, columns]), computed in at least fp32 and rounded once to W's dtype."""
-    W_HdX.copy_(fp32(W_HdX) * factor_H.to(torch.promote_types(W_HdX.dtype, torch.float32))[:, None, None])
+def _scale_rows_(W_RX: torch.Tensor, factor_R: torch.Tensor) -> None:
+    """W[r] ← W[r]·factor[r] in place for every row r of W [rows, columns], computed in at least fp32 and rounded
+    once to W's dtype. A DTensor W (FSDP2 Shard(0) rows that may cut through heads, uneven or not) is scaled on
+    this rank's rows only: the factor column [rows, 1] is sliced like W's rows (`distribute_tensor` with
+    `src_data_rank=None` takes the local slice from W's placements, no communication)."""
+    if factor_R.shape != W_RX.shape[:1]:
+        raise ValueError(f"{factor_R.shape[0]} row factors for a weight of shape {tuple(W_RX.shape)}")
+    factor_R1 = factor_R.to(torch.promote_types(W_RX.dtype, torch.float32))[:, None]
+    if isinstance(W_RX, DTensor):
+        if W_RX.device_mesh.get_coordinate() is None:
+            return  # this rank holds no part of W
+        if any(p.is_partial() for p in W_RX.placements):
+            raise ValueError(f"QK-Clip cannot rescale a weight with a Partial placement ({W_RX.placements})")
+        # shards of the row axis carry over to the factor column; shards of the columns leave all rows local
+        rows_only = [p if not p.is_replicate() and p.dim % W_RX.ndim == 0 else Replicate() for p in W_RX.placements]
+        factor_R1 = distribute_tensor(factor_R1, W_RX.device_mesh, rows_only, src_data_rank=None).to_local()
+        W_RX = W_RX.to_local()  # no_grad: the parameter's own storage
+    W_RX.copy_(fp32(W_RX) * factor_R1)
 
 
 @torch.no_grad()

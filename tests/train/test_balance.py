@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import math
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
@@ -16,6 +13,7 @@ from k3.model.cache import StepContext
 from k3.model.moe import MoEGate
 from k3.model.observer import ForwardObserver, Observable
 from k3.train.balance import QuantileBalancer, exact_quantile, histogram_quantile, margin_histogram
+from dist_utils import run_ranks
 
 E, K, D, N = 64, 4, 32, 8192  # §7.5 synthetic router: 64 experts, top-4, M = 8192 tokens
 WIDTH = 4 / 1024  # default bin width over [−2, 2]
@@ -317,16 +315,13 @@ def test_full_k3_tiny_model():
 
 
 # -------------------------------------------------------------------------------------- distributed
-def _distributed_worker(rank: int, world_size: int, port: int, queue) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    torch.set_num_threads(1)
+def _distributed_rank(rank: int, world_size: int):
     gate = skewed_gate()
     balancer = QuantileBalancer(gate)
     with torch.no_grad():
         gate(tokens(0)[rank::world_size])  # each rank routes its share of the global batch
     metrics = balancer.step()[""]
-    queue.put((rank, metrics.tokens, gate.e_score_correction_bias.clone()))
-    dist.destroy_process_group()
+    return metrics.tokens, gate.e_score_correction_bias.clone()
 
 
 def test_histograms_are_all_reduced_across_ranks():
@@ -336,19 +331,7 @@ def test_histograms_are_all_reduced_across_ranks():
     with torch.no_grad():
         gate(tokens(0))
     balancer.step()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as sock:  # a free port: other test runs may share the machine
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [ctx.Process(target=_distributed_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    for _, M, bias in results:
+    for M, bias in run_ranks(_distributed_rank, 2, timeout=120):
         assert M == N
         # a routing flip cannot move the bias (α, the (k+1)-th choice score, is continuous at a tie), and the
         # rows of x[rank::2] @ W.T equal those of the whole batch bit for bit (same K = 32 dot products)

@@ -281,7 +281,7 @@ def test_batches_are_seeded_and_reshuffled_per_epoch():
 
     order = Batches(ds, 8, seed=3)._order()
     assert sorted(order.tolist()) == list(range(100))  # each epoch is a permutation of the rows
-    assert torch.equal(next(Batches(ds, 8, seed=3))["input_ids"], ds.input_ids_RL[order[:8]])
+    assert torch.equal(next(Batches(ds, 8, seed=3))["input_ids"], ds.input_ids_BT[order[:8]])
 
 
 @pytest.mark.parametrize("stop", [0, 5, 11, 12, 30])
@@ -310,8 +310,8 @@ def test_validation_batches_cover_every_row_in_order():
     ds = PackedDataset(token_docs([7, 8, 9]), 3, pad_token_id=0)
     batches = list(validation_batches(ds, 3))
     assert [b["input_ids"].shape[0] for b in batches] == [3, 3, 2]
-    assert torch.equal(torch.cat([b["input_ids"] for b in batches]), ds.input_ids_RL)
-    assert torch.equal(torch.cat([b["labels"] for b in validation_batches(ds, 3)]), ds.labels_RL)
+    assert torch.equal(torch.cat([b["input_ids"] for b in batches]), ds.input_ids_BT)
+    assert torch.equal(torch.cat([b["labels"] for b in validation_batches(ds, 3)]), ds.labels_BT)
 
 
 # ------------------------------------------------------------------------------------------------ split
@@ -360,9 +360,9 @@ def test_prepare_data(tmp_path):
         data = prepare_data(tmp_path / "corpus", 300, 16, cache_dir=tmp_path / "cache")
     assert data.tokenizer.vocab_size == 300 and len(data.documents) == len(CORPUS)
     assert data.train.num_tokens <= data.train_tokens and data.val.num_tokens == data.val_tokens
-    assert data.val.input_ids_RL.shape[1] == 16 and (data.val.labels_RL == -100).any()
+    assert data.val.input_ids_BT.shape[1] == 16 and (data.val.labels_BT == -100).any()
     assert 0 < data.unigram_entropy < math.log(300)
-    assert int(data.train.input_ids_RL.max()) < 300
+    assert int(data.train.input_ids_BT.max()) < 300
 
     write(tmp_path / "single.txt", " ".join(CORPUS))
     with pytest.warns(UserWarning, match="only one document") as record:

@@ -31,7 +31,7 @@ def rng_image(height: int, width: int, channels: int = 3, seed: int = 0) -> np.n
     return np.random.default_rng(seed).integers(0, 256, (height, width, channels), dtype=np.uint8)
 
 
-def unpatchify_HW3(item: MediaItem, frame: int = 0) -> np.ndarray:
+def unpatchify_hw3(item: MediaItem, frame: int = 0) -> np.ndarray:
     """Pixel-space [H_p, W_p, 3] of one frame of an item normalised with the default mean = std = 0.5."""
     _, h, w = item.grid_thw
     patches = item.pixel_values[frame * h * w:(frame + 1) * h * w]
@@ -108,7 +108,7 @@ def test_downscale_is_bicubic_then_pad_then_normalise():
     expected = np.asarray(Image.fromarray(image).resize(new_size, Image.Resampling.BICUBIC), dtype=np.float64)
     item = process_image(image, config)
     assert item.grid_thw == (1, 4, 6) and item.size == (112, 84)
-    pixels = unpatchify_HW3(item)
+    pixels = unpatchify_hw3(item)
     np.testing.assert_allclose(pixels[:48, :64], expected, atol=1e-3)
     assert np.all(pixels[48:] == 0) and np.all(pixels[:, 64:] == 0)
 
@@ -134,11 +134,11 @@ def test_patch_order_and_padding():
 
 
 def test_patchify_layout():
-    pixels_T3HW = torch.arange(2 * 3 * 28 * 42, dtype=torch.float32).reshape(2, 3, 28, 42)
-    patches_N3PP = patchify(pixels_T3HW, P)
-    assert patches_N3PP.shape == (2 * 2 * 3, 3, P, P)
+    pixels_t3hw = torch.arange(2 * 3 * 28 * 42, dtype=torch.float32).reshape(2, 3, 28, 42)
+    patches_N3hw = patchify(pixels_t3hw, P)
+    assert patches_N3hw.shape == (2 * 2 * 3, 3, P, P)
     for n, (f, y, x) in enumerate(itertools.product(range(2), range(2), range(3))):
-        assert torch.equal(patches_N3PP[n], pixels_T3HW[f, :, y * P:(y + 1) * P, x * P:(x + 1) * P])
+        assert torch.equal(patches_N3hw[n], pixels_t3hw[f, :, y * P:(y + 1) * P, x * P:(x + 1) * P])
     with pytest.raises(ValueError, match="multiple of the patch size"):
         patchify(torch.zeros(1, 3, 28, 30), P)
 
@@ -156,9 +156,9 @@ def test_normalisation_uses_mean_and_std():
     assert default.pixel_values.min() == -1 and default.pixel_values.max() == 1
     mean, std = (0.1, 0.2, 0.3), (0.5, 0.25, 2.0)
     item = process_image(image, ImageProcessorConfig(image_mean=mean, image_std=std))
-    expected_3HW = (image.transpose(2, 0, 1) / 255 - np.array(mean)[:, None, None]) / np.array(std)[:, None, None]
-    actual_3HW = item.pixel_values.reshape(2, 2, 3, P, P).permute(2, 0, 3, 1, 4).reshape(3, 28, 28)
-    np.testing.assert_allclose(actual_3HW.numpy(), expected_3HW, atol=1e-5)
+    expected_3hw = (image.transpose(2, 0, 1) / 255 - np.array(mean)[:, None, None]) / np.array(std)[:, None, None]
+    actual_3hw = item.pixel_values.reshape(2, 2, 3, P, P).permute(2, 0, 3, 1, 4).reshape(3, 28, 28)
+    np.testing.assert_allclose(actual_3hw.numpy(), expected_3hw, atol=1e-5)
 
 
 def test_equivalent_inputs_give_identical_pixels():
@@ -197,15 +197,15 @@ def test_rgba_is_composited_after_the_resize_onto_the_configured_colour():
     before = np.asarray(before_image.resize(size, Image.Resampling.BICUBIC), dtype=np.float64)
     assert np.abs(after - before).max() > 4  # the order matters for this image
 
-    pixels = unpatchify_HW3(process_image(rgba, config))[:56, :56]
+    pixels = unpatchify_hw3(process_image(rgba, config))[:56, :56]
     assert np.abs(pixels - after).max() <= 1.0 + 1e-3
     assert process_image(Image.fromarray(rgba), config).pixel_values.equal(process_image(rgba, config).pixel_values)
 
     transparent = rgba.copy()
     transparent[..., 3] = 0
-    pixels = unpatchify_HW3(process_image(transparent[:28, :28], config))
+    pixels = unpatchify_hw3(process_image(transparent[:28, :28], config))
     np.testing.assert_allclose(pixels.reshape(-1, 3), np.tile(background, (28 * 28, 1)), atol=1e-3)
-    white = unpatchify_HW3(process_image(transparent[:28, :28]))
+    white = unpatchify_hw3(process_image(transparent[:28, :28]))
     np.testing.assert_allclose(white, 255, atol=1e-3)  # default background white
 
     gray_alpha = Image.fromarray(rgba[:28, :28, [0, 3]], mode="LA")  # alpha of LA / transparent P is kept

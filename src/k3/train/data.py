@@ -28,7 +28,7 @@ Design choices:
 * Randomness comes only from explicit seeds through NumPy's `SeedSequence` (`default_rng([seed, epoch])`), so
   the split and every epoch's order are reproducible across runs and machines.
 
-Shape legend: B batch, L sequence length (`seq_len`), R rows, N tokens.
+Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -377,27 +377,27 @@ class PackedDataset:
             stream_N = np.concatenate([stream_N, np.full(n_pad, pad_token_id)])
             doc_N = np.concatenate([doc_N, np.full(n_pad, len(docs))])
             labels_N = np.concatenate([labels_N, np.full(n_pad, IGNORE_INDEX)])
-        doc_RL = doc_N[: n_rows * seq_len].reshape(n_rows, seq_len)
+        doc_BT = doc_N[: n_rows * seq_len].reshape(n_rows, seq_len)
         self.seq_len = seq_len
         self.num_tokens = min(n_tokens, n_rows * seq_len)
-        self.input_ids_RL = torch.from_numpy(stream_N[: n_rows * seq_len].reshape(n_rows, seq_len))
-        self.labels_RL = torch.from_numpy(labels_N[: n_rows * seq_len].reshape(n_rows, seq_len))
-        self.document_ids_RL = torch.from_numpy(doc_RL - doc_RL[:, :1])
+        self.input_ids_BT = torch.from_numpy(stream_N[: n_rows * seq_len].reshape(n_rows, seq_len))
+        self.labels_BT = torch.from_numpy(labels_N[: n_rows * seq_len].reshape(n_rows, seq_len))
+        self.document_ids_BT = torch.from_numpy(doc_BT - doc_BT[:, :1])
 
     def __len__(self) -> int:
-        return self.input_ids_RL.shape[0]
+        return self.input_ids_BT.shape[0]
 
     def __getitem__(self, row: int) -> dict[str, torch.Tensor]:
         """Row `row`: `input_ids`, `labels`, `document_ids`, each [L]."""
-        return {"input_ids": self.input_ids_RL[row], "labels": self.labels_RL[row],
-                "document_ids": self.document_ids_RL[row]}
+        return {"input_ids": self.input_ids_BT[row], "labels": self.labels_BT[row],
+                "document_ids": self.document_ids_BT[row]}
 
     def batch(self, rows: Sequence[int] | torch.Tensor) -> dict[str, torch.Tensor]:
         """Rows `rows` stacked: `input_ids`, `labels`, `document_ids`, each [B, L] int64 — keyword arguments of
         `K3ForCausalLM.forward`."""
         index_B = torch.as_tensor(rows, dtype=torch.long)
-        return {"input_ids": self.input_ids_RL[index_B], "labels": self.labels_RL[index_B],
-                "document_ids": self.document_ids_RL[index_B]}
+        return {"input_ids": self.input_ids_BT[index_B], "labels": self.labels_BT[index_B],
+                "document_ids": self.document_ids_BT[index_B]}
 
 
 class Batches:

@@ -36,10 +36,10 @@ def plot_losses(history: list[dict], path: str | os.PathLike, reference: float |
     _save(fig, path)
 
 
-def plot_expert_load(load_LE: torch.Tensor, path: str | os.PathLike) -> None:
+def plot_expert_load(load_XE: torch.Tensor, path: str | os.PathLike) -> None:
     """Heatmap of each MoE layer's expert load as a multiple of the balanced load (1 = balanced)."""
-    fig, ax = plt.subplots(figsize=(8, 0.4 * load_LE.shape[0] + 1.5))
-    image = ax.imshow(load_LE.numpy(), aspect="auto", cmap="viridis")
+    fig, ax = plt.subplots(figsize=(8, 0.4 * load_XE.shape[0] + 1.5))
+    image = ax.imshow(load_XE.numpy(), aspect="auto", cmap="viridis")
     ax.set(xlabel="expert", ylabel="MoE layer (0 = layer 1)", title="expert load / balanced load (last step)")
     fig.colorbar(image, ax=ax)
     _save(fig, path)

@@ -450,7 +450,7 @@ class Trainer:
         max_logits = self.max_logits.pop()
         gammas = qk_clip_(self.mla, max_logits, a.qk_clip_tau)
         max_logit = max((float(m.max()) for m in max_logits.values()), default=0.0)
-        self.last_load_LE = torch.stack([layer.load_E.float() for layer in self.balancer.layers])
+        self.last_load_XE = torch.stack([layer.load_E.float() for layer in self.balancer.layers])
         balance = self.balancer.step()
         self.step += 1
         seconds = time.perf_counter() - started
@@ -507,9 +507,9 @@ class Trainer:
 
     def plot(self) -> None:
         plots.plot_losses(self.history, self.out / "loss.png", reference=self.task.reference)
-        if hasattr(self, "last_load_LE"):
-            load_LE = self.last_load_LE / self.last_load_LE.mean(dim=1, keepdim=True)
-            plots.plot_expert_load(load_LE.cpu(), self.out / "expert_load.png")
+        if hasattr(self, "last_load_XE"):
+            load_XE = self.last_load_XE / self.last_load_XE.mean(dim=1, keepdim=True)
+            plots.plot_expert_load(load_XE.cpu(), self.out / "expert_load.png")
         self.model.eval()
         probe = {k: v.to(self.device) for k, v in self.task.probe_batch().items()}
         table, labels = plots.attn_res_mixing(self.model, probe)

@@ -6,7 +6,7 @@ images never attend to each other, the ≤ 4 frames of one video chunk attend jo
 in query chunks (`block_diagonal_attention`), so memory stays linear in its patch count (a 12 MP photo is one item
 of 62,208 patches).
 
-Shape legend: N packed patches, I media items, D ViT width, H heads, K head dim, P patch side, F MLP width.
+Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -75,17 +75,17 @@ class PosEmb(nn.Module):
     def forward(self, grid: Grid) -> torch.Tensor:
         """Position embeddings [t·h·w, D] of one item, frame-major then row-major."""
         t, h, w = grid
-        table_HWD = self.weight
-        if (h, w) == tuple(table_HWD.shape[:2]):
-            pos_LD = table_HWD.flatten(0, 1)
+        table_hwD = self.weight
+        if (h, w) == tuple(table_hwD.shape[:2]):
+            pos_XD = table_hwD.flatten(0, 1)
         else:  # resize the table like a D-channel image (align_corners=False, no antialiasing)
-            pos_1DHW = F.interpolate(table_HWD.permute(2, 0, 1)[None], size=(h, w), mode="bilinear",
+            pos_1Dhw = F.interpolate(table_hwD.permute(2, 0, 1)[None], size=(h, w), mode="bilinear",
                                      align_corners=False)
-            pos_LD = pos_1DHW[0].flatten(1).t()
+            pos_XD = pos_1Dhw[0].flatten(1).t()
         if t == 1:
-            return pos_LD  # single frames get no time embedding at all
-        time_t1D = time_embedding(t, pos_LD.shape[-1]).to(pos_LD)[:, None]  # fixed, not in the checkpoint (§11.3)
-        return (pos_LD[None] + time_t1D).flatten(0, 1)
+            return pos_XD  # single frames get no time embedding at all
+        time_t1D = time_embedding(t, pos_XD.shape[-1]).to(pos_XD)[:, None]  # fixed, not in the checkpoint (§11.3)
+        return (pos_XD[None] + time_t1D).flatten(0, 1)
 
 
 class PatchEmbed(nn.Module):
@@ -97,8 +97,8 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(3, config.vt_hidden_size, kernel_size=P, stride=P, bias=False)
         self.pos_emb = PosEmb(config)
 
-    def forward(self, pixels_N3PP: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
-        x_ND = self.proj(pixels_N3PP.to(self.proj.weight.dtype)).flatten(1)
+    def forward(self, pixels_N3hw: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
+        x_ND = self.proj(pixels_N3hw.to(self.proj.weight.dtype)).flatten(1)
         return x_ND + torch.cat([self.pos_emb(g) for g in grids]).to(x_ND.dtype)
 
 
@@ -109,19 +109,19 @@ def rope_2d_angles(grids: Sequence[Grid], head_dim: int, theta: float = 10000.0,
     freq_J = theta ** (-4 * torch.arange(head_dim // 4, dtype=torch.float64, device=device) / head_dim)
     angles = []
     for t, h, w in grids:
-        y_L = torch.arange(h, dtype=torch.float64, device=device).repeat_interleave(w)
-        x_L = torch.arange(w, dtype=torch.float64, device=device).repeat(h)
-        pairs_LJ2 = torch.stack([x_L[:, None] * freq_J, y_L[:, None] * freq_J], dim=-1)
-        angles.append(pairs_LJ2.flatten(1).repeat(t, 1))
+        y_X = torch.arange(h, dtype=torch.float64, device=device).repeat_interleave(w)
+        x_X = torch.arange(w, dtype=torch.float64, device=device).repeat(h)
+        pairs_XJ2 = torch.stack([x_X[:, None] * freq_J, y_X[:, None] * freq_J], dim=-1)
+        angles.append(pairs_XJ2.flatten(1).repeat(t, 1))
     return torch.cat(angles)
 
 
-def apply_rope_2d(x_NHK: torch.Tensor, angles_NK2: torch.Tensor) -> torch.Tensor:
+def apply_rope_2d(x_NHK: torch.Tensor, angles_NX: torch.Tensor) -> torch.Tensor:
     """Rotate consecutive pairs (x_{2p} + i·x_{2p+1}) by e^{i·angle_p} in fp32 (complex multiply), cast back."""
     x = fp32(x_NHK)
     pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
-    angles_NK2 = angles_NK2.to(x.dtype)
-    rotated = pairs * torch.polar(torch.ones_like(angles_NK2), angles_NK2)[:, None, :]
+    angles_NX = angles_NX.to(x.dtype)
+    rotated = pairs * torch.polar(torch.ones_like(angles_NX), angles_NX)[:, None, :]
     return torch.view_as_real(rotated).flatten(-2).to(x_NHK.dtype)
 
 
@@ -147,12 +147,12 @@ def block_diagonal_attention(q_NHK: torch.Tensor, k_NHK: torch.Tensor, v_NHK: to
         raise ValueError(f"max_scores must be a positive integer, got {max_scores!r}")
     outs = []
     for q, k, v in zip(*(t.split(list(lengths)) for t in (q_NHK, k_NHK, v_NHK))):  # block-diagonal per item
-        q_1HLK, k_1HLK, v_1HLK = (t.transpose(0, 1)[None] for t in (q, k, v))
-        heads, length = q_1HLK.shape[1], q_1HLK.shape[2]
+        q_1HTK, k_1HSK, v_1HSK = (t.transpose(0, 1)[None] for t in (q, k, v))
+        heads, length = q_1HTK.shape[1], q_1HTK.shape[2]
         rows = max(1, max_scores // (heads * length))
         for start in range(0, length, rows):
-            out_1HRK = F.scaled_dot_product_attention(q_1HLK[:, :, start:start + rows], k_1HLK, v_1HLK)
-            outs.append(out_1HRK[0].transpose(0, 1))
+            out_1HTK = F.scaled_dot_product_attention(q_1HTK[:, :, start:start + rows], k_1HSK, v_1HSK)
+            outs.append(out_1HTK[0].transpose(0, 1))
     return torch.cat(outs)
 
 
@@ -181,16 +181,16 @@ class EncoderBlock(nn.Module):
         self.norm1 = RMSNorm(D, eps)
         self.mlp = VisionMLP(config)
 
-    def attention(self, x_ND: torch.Tensor, lengths: Sequence[int], angles_NK2: torch.Tensor) -> torch.Tensor:
+    def attention(self, x_ND: torch.Tensor, lengths: Sequence[int], angles_NX: torch.Tensor) -> torch.Tensor:
         N = x_ND.shape[0]
         qkv_N3HK = self.wqkv(x_ND).view(N, 3, self.num_heads, self.head_dim)  # rows q | k | v, head-major
-        q_NHK = apply_rope_2d(qkv_N3HK[:, 0], angles_NK2)
-        k_NHK = apply_rope_2d(qkv_N3HK[:, 1], angles_NK2)
+        q_NHK = apply_rope_2d(qkv_N3HK[:, 0], angles_NX)
+        k_NHK = apply_rope_2d(qkv_N3HK[:, 1], angles_NX)
         v_NHK = qkv_N3HK[:, 2]
         return self.wo(block_diagonal_attention(q_NHK, k_NHK, v_NHK, lengths).flatten(1))
 
-    def forward(self, x_ND: torch.Tensor, lengths: Sequence[int], angles_NK2: torch.Tensor) -> torch.Tensor:
-        x_ND = x_ND + self.attention(self.norm0(x_ND), lengths, angles_NK2)
+    def forward(self, x_ND: torch.Tensor, lengths: Sequence[int], angles_NX: torch.Tensor) -> torch.Tensor:
+        x_ND = x_ND + self.attention(self.norm0(x_ND), lengths, angles_NX)
         return x_ND + self.mlp(self.norm1(x_ND))
 
 
@@ -200,9 +200,9 @@ class Encoder(nn.Module):
         self.blocks = nn.ModuleList(EncoderBlock(config) for _ in range(config.vt_num_hidden_layers))
         self.final_layernorm = RMSNorm(config.vt_hidden_size, config.vt_rms_norm_eps)
 
-    def forward(self, x_ND: torch.Tensor, lengths: Sequence[int], angles_NK2: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, lengths: Sequence[int], angles_NX: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x_ND = block(x_ND, lengths, angles_NK2)
+            x_ND = block(x_ND, lengths, angles_NX)
         return self.final_layernorm(x_ND)
 
 
@@ -238,5 +238,5 @@ class MoonViT(nn.Module):
             raise ValueError("pixel_values must be finite floating-point (normalised) pixels")
         grids = check_grids(grid_thws, pixel_values.shape[0], self.config)
         x_ND = self.patch_embed(pixel_values, grids)
-        angles_NK2 = rope_2d_angles(grids, self.config.head_dim, self.config.rope_theta, x_ND.device)
-        return self.encoder(x_ND, [t * h * w for t, h, w in grids], angles_NK2)
+        angles_NX = rope_2d_angles(grids, self.config.head_dim, self.config.rope_theta, x_ND.device)
+        return self.encoder(x_ND, [t * h * w for t, h, w in grids], angles_NX)

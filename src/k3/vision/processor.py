@@ -16,7 +16,7 @@ each framed as "video" with its timestamp — in place of the image placeholder.
 image, refuses them with a ValueError saying so; `process_video` accepts them. Other multi-frame formats (MPO
 photos with a depth map or preview, PSD layers, icons) are still images: their first frame is the picture.
 
-Shape suffixes: T frames, 3 colour channels, H/W pixel rows/columns, N patches, P patch side (14).
+Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -286,15 +286,15 @@ class MediaItem:
         return (h // self.merge_kernel_size) * (w // self.merge_kernel_size)
 
 
-def patchify(pixels_T3HW: torch.Tensor, patch_size: int) -> torch.Tensor:
+def patchify(pixels_t3hw: torch.Tensor, patch_size: int) -> torch.Tensor:
     """[t, 3, H, W] → [t·(H/p)·(W/p), 3, p, p]: frame-major, then patch row y, then column x (§9.2 step 6)."""
-    if pixels_T3HW.ndim != 4:
-        raise ValueError(f"patchify expects [t, C, H, W], got shape {tuple(pixels_T3HW.shape)}")
-    t, c, height, width = pixels_T3HW.shape
+    if pixels_t3hw.ndim != 4:
+        raise ValueError(f"patchify expects [t, C, H, W], got shape {tuple(pixels_t3hw.shape)}")
+    t, c, height, width = pixels_t3hw.shape
     p = patch_size
     if height % p or width % p:
         raise ValueError(f"patchify: H×W = {height}×{width} is not a multiple of the patch size {p}")
-    grid = pixels_T3HW.reshape(t, c, height // p, p, width // p, p)
+    grid = pixels_t3hw.reshape(t, c, height // p, p, width // p, p)
     return grid.permute(0, 2, 4, 1, 3, 5).reshape(-1, c, p, p)
 
 
@@ -429,7 +429,7 @@ def _decode(image: Any) -> Image.Image:
         raise ValueError(f"cannot convert PIL mode {pil.mode!r} to RGB: {e}") from None
 
 
-def _resized_rgb_HW3(pil: Image.Image, size: tuple[int, int], config: ImageProcessorConfig) -> np.ndarray:
+def _resized_rgb_hw3(pil: Image.Image, size: tuple[int, int], config: ImageProcessorConfig) -> np.ndarray:
     """Bicubic resize to `size` (only if it changes), then composite RGBA onto the background (§9.2 steps 1, 3)."""
     try:
         if pil.size != size:
@@ -442,23 +442,23 @@ def _resized_rgb_HW3(pil: Image.Image, size: tuple[int, int], config: ImageProce
         raise ValueError(f"cannot decode image: {e}") from None
 
 
-def _normalised_3HW(rgb_HW3: np.ndarray, config: ImageProcessorConfig) -> torch.Tensor:
+def _normalised_3hw(rgb_hw3: np.ndarray, config: ImageProcessorConfig) -> torch.Tensor:
     """Pad right/bottom with pad_value to multiples of 28, then (x/255 − mean)/std (§9.2 steps 4–5)."""
-    height, width, _ = rgb_HW3.shape
+    height, width, _ = rgb_hw3.shape
     unit = config.pad_unit
-    canvas_HW3 = np.full((_padded(height, unit), _padded(width, unit), 3), config.pad_value, dtype=np.uint8)
-    canvas_HW3[:height, :width] = rgb_HW3
-    pixels_3HW = torch.from_numpy(canvas_HW3).permute(2, 0, 1).float() / 255
+    canvas_hw3 = np.full((_padded(height, unit), _padded(width, unit), 3), config.pad_value, dtype=np.uint8)
+    canvas_hw3[:height, :width] = rgb_hw3
+    pixels_3hw = torch.from_numpy(canvas_hw3).permute(2, 0, 1).float() / 255
     mean = torch.tensor(config.image_mean, dtype=torch.float32).view(3, 1, 1)
     std = torch.tensor(config.image_std, dtype=torch.float32).view(3, 1, 1)
-    return (pixels_3HW - mean) / std
+    return (pixels_3hw - mean) / std
 
 
-def _media_item(pixels_T3HW: torch.Tensor, kind: str, size: tuple[int, int], config: ImageProcessorConfig,
+def _media_item(pixels_t3hw: torch.Tensor, kind: str, size: tuple[int, int], config: ImageProcessorConfig,
                 timestamp: float | None = None) -> MediaItem:
-    t, _, height, width = pixels_T3HW.shape
+    t, _, height, width = pixels_t3hw.shape
     p = config.patch_size
-    return MediaItem(patchify(pixels_T3HW, p), (t, height // p, width // p), kind, size, timestamp,
+    return MediaItem(patchify(pixels_t3hw, p), (t, height // p, width // p), kind, size, timestamp,
                      config.merge_kernel_size)
 
 
@@ -475,8 +475,8 @@ def process_image(image: Any, config: ImageProcessorConfig | None = None) -> Med
                              "to process_video, or to K3Processor, which encodes an animation as video chunks")
         pil = _decode(media)
         size = resize_size(pil.width, pil.height, config)
-        pixels_3HW = _normalised_3HW(_resized_rgb_HW3(pil, size, config), config)
-    return _media_item(pixels_3HW[None], "image", pil.size, config)
+        pixels_3hw = _normalised_3hw(_resized_rgb_hw3(pil, size, config), config)
+    return _media_item(pixels_3hw[None], "image", pil.size, config)
 
 
 def _frame_list(frames: Any) -> list[Any]:
@@ -512,7 +512,7 @@ def process_video(frames: Any, config: ImageProcessorConfig | None = None,
         animated = isinstance(video, Image.Image) and _is_animation(video)
         frame_iter = _animation_frames(video) if animated else iter(_frame_list(video))
         position = video.tell() if animated else 0
-        frames_3HW, durations, first_size, size = [], [], (0, 0), (0, 0)
+        frames_3hw, durations, first_size, size = [], [], (0, 0), (0, 0)
         try:
             for i in itertools.count():
                 try:
@@ -527,7 +527,7 @@ def process_video(frames: Any, config: ImageProcessorConfig | None = None,
                         first_size = pil.size
                         size = resize_size(pil.width, pil.height, config, config.video_patch_limit_per_frame)
                     if pil.size == first_size:
-                        frames_3HW.append(_normalised_3HW(_resized_rgb_HW3(pil, size, config), config))
+                        frames_3hw.append(_normalised_3hw(_resized_rgb_hw3(pil, size, config), config))
                 except ValueError as e:
                     raise ValueError(f"frame {i}: {e}") from None
                 if pil.size != first_size:
@@ -539,15 +539,15 @@ def process_video(frames: Any, config: ImageProcessorConfig | None = None,
             if animated:  # leave a caller's image at the frame it was on
                 with contextlib.suppress(ValueError, *_DECODE_ERRORS):
                     video.seek(position)
-    if not frames_3HW:
+    if not frames_3hw:
         raise ValueError("video has no frames")
     if animated and fps is None and all(_is_number(d) and d > 0 for d in durations):
         starts = [float(t) / 1000 for t in np.cumsum([0, *durations[:-1]])]  # milliseconds → seconds
     else:
-        starts = [i / rate for i in range(len(frames_3HW))]
+        starts = [i / rate for i in range(len(frames_3hw))]
     k = config.max_frames_per_chunk
-    return [_media_item(torch.stack(frames_3HW[start:start + k]), "video", first_size, config, starts[start])
-            for start in range(0, len(frames_3HW), k)]
+    return [_media_item(torch.stack(frames_3hw[start:start + k]), "video", first_size, config, starts[start])
+            for start in range(0, len(frames_3hw), k)]
 
 
 _END = object()

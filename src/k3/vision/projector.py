@@ -1,6 +1,6 @@
 """Patch merger (`sd2_tpool`) and projector (`patchmergerv2`, module `mm_projector`): docs/architecture.md §9.7, §9.8.
 
-Shape legend: N packed patches, D ViT width, M merged tokens Σ (h/2)(w/2), C text hidden size.
+Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ def merge_patches(x_ND: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> 
     """
     D = x_ND.shape[-1]
     merged = []
-    for x_LD, (t, h, w) in zip(x_ND.split([t * h * w for t, h, w in grids]), grids):
-        x_tYyXxD = x_LD.view(t, h // 2, 2, w // 2, 2, D)
-        merged.append(x_tYyXxD.permute(0, 1, 3, 2, 4, 5).mean(dim=0).reshape(-1, 4 * D))
+    for x_XD, (t, h, w) in zip(x_ND.split([t * h * w for t, h, w in grids]), grids):
+        x_th2w2D = x_XD.view(t, h // 2, 2, w // 2, 2, D)
+        merged.append(x_th2w2D.permute(0, 1, 3, 2, 4, 5).mean(dim=0).reshape(-1, 4 * D))
     return torch.cat(merged)
 
 

@@ -63,6 +63,7 @@ from k3.ops.kda.varlen import chunk_aligned_layout
 from k3.model.observer import attach
 from k3.optim import MaxLogitRecorder, make_optimizers, mla_layers
 from k3.optim.muon import block_views
+from k3.parallel.fsdp import parallelize
 from k3.train.balance import QuantileBalancer
 from k3.train.tasks import TextTask
 from k3.train.trainer import TrainArgs, Trainer
@@ -110,14 +111,18 @@ class SyntheticText(TextTask):
 class SyntheticTrainer(Trainer):
     """`Trainer` with synthetic batches, on CPU, without run directory: `train_step` is the trainer's own."""
 
-    def __init__(self, preset, batch_size, seq_len, total_steps, seed=0):
+    def __init__(self, preset, batch_size, seq_len, total_steps, seed=0, distributed=None):
         self.args = args = TrainArgs(preset=preset, steps=total_steps, batch_size=batch_size, seq_len=seq_len, lr=0.03,
-                                     out=str(Path(tempfile.gettempdir()) / "k3-train-bench-no-run"), seed=seed)
+                                     out=str(Path(tempfile.gettempdir()) / "k3-train-bench-no-run"), seed=seed,
+                                     ep=distributed.ep if distributed else 1)
         self.out = Path(args.out)  # read only if the loss diverges
+        self.dist, self.main = distributed, distributed is None or distributed.is_main
         self.device = torch.device("cpu")
         torch.manual_seed(seed)
         self.model = K3ForCausalLM(K3Config.from_preset(preset, **args.overrides))
         self.config = self.model.config
+        if distributed is not None:  # as `Trainer._build`: experts and FSDP2 before the optimisers
+            parallelize(self.model, distributed)
         self.optimizers = make_optimizers(self.model, self.config, lr=args.lr, weight_decay=args.weight_decay,
                                           ns_dtype=torch.float32)
         self.balancer = QuantileBalancer(self.model, method=args.balancer)

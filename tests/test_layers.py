@@ -18,7 +18,8 @@ LAYERS = [
     {"vision"},
     {"model"},
     {"inference", "optim"},
-    {"train", "parallel"},
+    {"parallel"},
+    {"train"},
     {"cli"},
     {"__main__"},
 ]

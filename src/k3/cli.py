@@ -21,6 +21,7 @@ import signal
 import sys
 
 import torch
+from torch.distributed import DistError
 
 from k3.config import PRESETS, K3Config
 from k3.fileio import describe_error
@@ -217,15 +218,28 @@ def _overrides(items: list[str] | None) -> dict | None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """`k3 train`, on one process or (under torchrun) on every rank of the job; rank 0 reports."""
+    import torch.distributed as dist
+
+    from k3.parallel.distributed import init_distributed
     from k3.train.data import CorpusUnavailable
     from k3.train.trainer import TrainArgs, TrainingDiverged, train
 
     options = {k: v for k, v in vars(args).items() if k in TrainArgs.__dataclass_fields__ and v is not None}
     options["overrides"] = _overrides(args.override)
+    train_args = TrainArgs(**options)
+    distributed = init_distributed(train_args.ep)
     try:
-        summary = train(TrainArgs(**options))
+        if distributed is not None and distributed.is_main:
+            print(distributed.describe(), flush=True)
+        summary = train(train_args, distributed)
     except (TrainingDiverged, CorpusUnavailable) as e:
         raise Failure(str(e)) from e
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if distributed is not None and not distributed.is_main:
+        return 0
     reference = "" if summary["reference_loss"] is None else \
         f" (unigram entropy of the corpus: {summary['reference_loss']:.3f})"
     print(f"validation loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} nats/token"
@@ -287,7 +301,19 @@ def _expected_failure(error: BaseException) -> tuple[int, str] | None:
         return EXIT_USAGE, describe_error(error, limit=None)  # ValueError includes ConfigError, CheckpointError
     if isinstance(error, (OSError, Failure)):
         return EXIT_FAILURE, describe_error(error, limit=None)
+    if isinstance(error, DistError):  # a torchrun peer died or timed out: this rank stops with it
+        return EXIT_FAILURE, f"the distributed job failed: {describe_error(error)}"
     return None
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from k3.train.export import export_checkpoint, run_checkpoint
+
+    checkpoint = run_checkpoint(args.run)
+    out = export_checkpoint(checkpoint, args.out, max_shard_size=int(args.max_shard_gib * 2**30))
+    files = sorted(p.name for p in out.iterdir())
+    print(f"exported {checkpoint} -> {out} ({len(files)} files: {', '.join(files)})")
+    return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -302,7 +328,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(json.dumps(report, indent=2) if args.json else format_plan(result))
     if args.dry_run and not args.json:
         run = report["dry_run"]
-        print(f"dry run   FSDP2 sharding of the meta-device model under a fake process group of {args.gpus} ranks, "
+        print(f"dry run   {'EP + ' if args.ep > 1 else ''}FSDP2 sharding of the meta-device model under a fake process group of {args.gpus} ranks, "
               f"rank 0: dense {run['dense_params_per_rank']:,} (plan {result.dense_params_per_rank:,}), experts "
               f"{run['expert_params_per_rank']:,} (plan {result.expert_params_per_rank:,}): "
               f"{'match' if run['match'] else 'MISMATCH'}")
@@ -312,9 +338,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _dry_run(args: argparse.Namespace, result) -> dict:
     from k3.parallel.dry_run import dry_run
 
-    if (args.ep, args.tp, args.pp) != (1, 1, 1):
-        raise ValueError("--dry-run shards with FSDP2 only so far: give it without --ep, --tp and --pp")
-    counts = dry_run(load_config(args.model), args.gpus)
+    if (args.tp, args.pp) != (1, 1):
+        raise ValueError("--dry-run shards with FSDP2 and expert parallelism (no tensor or pipeline parallelism "
+                         "is built): give it without --tp and --pp")
+    counts = dry_run(load_config(args.model), args.gpus, args.ep)
     counts["match"] = (counts["dense_params_per_rank"] == result.dense_params_per_rank
                        and counts["expert_params_per_rank"] == result.expert_params_per_rank)
     return counts
@@ -355,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="directory with config.json, safetensors weights and the tokenizer files")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--image", action="append", help="image file(s) for a multimodal checkpoint (repeatable); "
-                   f"placed before the prompt unless it contains <|kimi_image_placeholder|>")
+                   "placed before the prompt unless it contains <|kimi_image_placeholder|>")
     p.add_argument("--max-new-tokens", type=_count(0), default=100)
     p.add_argument("--temperature", type=_finite(0), default=1.0, help="0 = greedy")
     p.add_argument("--top-k", type=_count(1), default=None)
@@ -389,7 +416,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--override", action="append", metavar="FIELD=VALUE",
                    help="K3Config field of a new run's preset (VALUE in JSON; repeatable), e.g. num_hidden_layers=5")
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None)
+    parallel = p.add_argument_group("under torchrun (torchrun --nproc_per_node N -m k3 train ...)")
+    parallel.add_argument("--ep", type=_count(1), default=None,
+                          help="expert-parallel degree: each group of EP ranks splits the routed experts (divides "
+                               "the number of processes and the expert count; default 1)")
+    parallel.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
+                          help="FSDP2: free each layer's gathered parameters after its forward (default on)")
+    parallel.add_argument("--cpu-offload", action="store_true", default=None,
+                          help="FSDP2: keep sharded parameters, gradients and optimiser states on the CPU")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("export", parents=[debug],
+                       help="write a training checkpoint's model as a model directory (safetensors, sharded by size)")
+    p.add_argument("run", help="run directory (its newest checkpoint) or one checkpoint directory")
+    p.add_argument("out", help="model directory to write (replaced whole if it exists)")
+    p.add_argument("--max-shard-gib", type=_finite(0), default=5.0, help="largest safetensors file (GiB)")
+    p.set_defaults(func=cmd_export)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

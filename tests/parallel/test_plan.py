@@ -208,13 +208,19 @@ def test_to_dict_is_json(full):
 
 
 def test_dry_run_shards_the_real_model_like_the_plan():
-    """FSDP2 on the meta device under a fake process group of 16 ranks: rank 0 holds what the plan says."""
+    """`parallelize` on the meta device under a fake process group: rank 0 holds what the plan says — FSDP2 on 16
+    ranks, EP 4 × 4 replicas (whole experts over the replicas), EP 32 × 4 replicas (2 experts per EP rank: rows
+    of every expert over the replicas)."""
     import subprocess
     import sys
 
     code = ("from k3 import K3Config; from k3.parallel.dry_run import dry_run; from k3.parallel.plan import plan; "
-            "c = K3Config.from_preset('k3-small'); d = dry_run(c, 16); p = plan(c, 16, 80); "
-            "print(d['dense_params_per_rank'] == p.dense_params_per_rank, "
-            "d['expert_params_per_rank'] == p.expert_params_per_rank, d['dense_params_per_rank'] > 0)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.stdout.split() == ["True", "True", "True"], result.stderr[-2000:]
+            "c = K3Config.from_preset('k3-small')\n"
+            "for gpus, ep in ((16, 1), (16, 4), (128, 32)):\n"
+            "    d = dry_run(c, gpus, ep); p = plan(c, gpus, 80, ep=ep)\n"
+            "    print(d['dense_params_per_rank'] == p.dense_params_per_rank, "
+            "d['expert_params_per_rank'] == p.expert_params_per_rank, d['dense_params_per_rank'] > 0, "
+            "p.expert_placement)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert result.stdout.split() == ["True", "True", "True", "Shard(0)"] * 2 + ["True", "True", "True", "Shard(1)"], \
+        result.stdout + result.stderr[-2000:]

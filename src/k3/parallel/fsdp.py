@@ -8,13 +8,20 @@ mixed-precision policy casts them (on CUDA the trainer's autocast runs the matmu
 
 Gradients are SUMMED over ranks (`set_gradient_divide_factor(1.0)`): the trainer divides each rank's summed
 token losses by the global token count, so the sum is the gradient of the global mean, the same as one process
-computing the whole batch. Routed experts already distributed by expert parallelism (DTensors on another mesh)
-are left to it (`ignored_params`).
+computing the whole batch. Routed experts already distributed by expert parallelism (DTensors on the expert
+mesh) are sharded further over `expert_mesh` when given — the data-parallel replicas of each expert block
+("efsdp"; their gradients are then reduce-scattered over the replicas) — and otherwise left to expert parallelism
+(`ignored_params`).
+
+`parallelize` applies everything in the fixed order: expert parallelism (it replaces the expert weights), FSDP2
+of the expert blocks over their replicas, FSDP2 of every decoder layer, FSDP2 of the root.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 
 import torch.distributed as dist
 from torch import nn
@@ -24,16 +31,36 @@ from torch.distributed.tensor import DTensor, Shard
 
 from k3.model.k3 import K3Model
 from k3.model.moe import RoutedExperts
+from k3.parallel.distributed import Distributed
+from k3.parallel.expert import apply_expert_parallel
+
+
+def parallelize(model: nn.Module, distributed: Distributed, reshard_after_forward: bool = True,
+                cpu_offload: bool = False) -> nn.Module:
+    """Expert parallelism over `distributed.ep_mesh["ep"]` (when ep > 1), then FSDP2 over everything else; in
+    place, returns `model`. Apply it before building the optimisers (the parameters become new objects)."""
+    expert_mesh = None
+    if distributed.ep > 1:
+        apply_expert_parallel(model, distributed.ep_mesh["ep"])
+        if distributed.world_size > distributed.ep:
+            expert_mesh = distributed.ep_mesh["dp_rep"]
+    return apply_fsdp(model, distributed.mesh, reshard_after_forward, cpu_offload, expert_mesh)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True,
-               cpu_offload: bool = False) -> nn.Module:
-    """Shard `model` (a `K3ForCausalLM` or `K3ForConditionalGeneration`) in place over `mesh`; returns it."""
+               cpu_offload: bool = False, expert_mesh: DeviceMesh | None = None) -> nn.Module:
+    """Shard `model` (a `K3ForCausalLM` or `K3ForConditionalGeneration`) in place over `mesh` (and its
+    expert-parallel experts over `expert_mesh`); returns it."""
     (backbone,) = [m for m in model.modules() if isinstance(m, K3Model)]
-    ignored = {p for p in model.parameters() if isinstance(p, DTensor)}  # expert parallelism's own layout
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    if expert_mesh is not None:
+        for m in model.modules():
+            if isinstance(m, RoutedExperts) and isinstance(m.w1, DTensor):
+                fully_shard(m, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload,
+                            shard_placement_fn=_expert_rows_when_too_few(m, expert_mesh.size()))
+    ignored = {p for p in model.parameters() if isinstance(p, DTensor)}  # the experts' own layout
     options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None,
-                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
-                   shard_placement_fn=_expert_rows_when_too_few(model, mesh.size()))
+                   offload_policy=offload, shard_placement_fn=_expert_rows_when_too_few(model, mesh.size()))
     for layer in backbone.layers:
         fully_shard(layer, **options)
     fully_shard(model, **{**options, "reshard_after_forward": False})  # the root is needed again at once
@@ -50,13 +77,28 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool =
 
 
 def _expert_rows_when_too_few(model: nn.Module, shards: int):
-    """FSDP2 shards dim 0; a stacked expert tensor [E, F, L] with fewer experts than shards would leave ranks
-    empty, so such stacks are sharded on dim 1 (rows of every expert) instead where dim 1 divides evenly (FSDP2
-    shards only dim 0 unevenly)."""
+    """FSDP2 shards dim 0; a stack of expert matrices [E, F, L] (E: the rank's own experts under expert
+    parallelism) with fewer experts than shards would leave ranks empty, so such stacks are sharded on dim 1 (rows
+    of every expert) instead where dim 1 divides evenly (FSDP2 shards only dim 0 unevenly)."""
     stacks = {id(p) for m in model.modules() if isinstance(m, RoutedExperts) for p in m.parameters(recurse=False)}
 
     def placement(param: nn.Parameter) -> Shard | None:
-        return Shard(1) if id(param) in stacks and param.shape[0] < shards and param.shape[1] % shards == 0 \
-            else None
+        experts = param.to_local().shape[0] if isinstance(param, DTensor) else param.shape[0]
+        return Shard(1) if id(param) in stacks and experts < shards and param.shape[1] % shards == 0 else None
 
     return placement
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[nn.Module]:
+    """Every FSDP2 unit of `model` unsharded (a collective all-gather on every rank) for reading parameters
+    outside a forward — e.g. the AttnRes mixing weights of the training plots — and resharded after. Needs
+    memory for the whole (non-expert-parallel) model on each rank."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+    try:
+        yield model
+    finally:
+        for unit in units:
+            unit.reshard()

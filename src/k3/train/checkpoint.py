@@ -1,4 +1,4 @@
-"""Training checkpoints: everything a run needs to continue bit-exactly, written atomically (no pickle).
+"""Training checkpoints: everything a run needs to continue bit-exactly, written atomically.
 
 A checkpoint is a directory `step_NNNNNNN/` holding the model in the official layout (`config.json` +
 safetensors, the router biases of Quantile Balancing included as `e_score_correction_bias`), the tokenizer, and
@@ -8,10 +8,16 @@ renamed into place, and `latest` (a one-line file) is replaced last, so a run ki
 the last complete checkpoint. Every checkpoint is kept; a damaged one (a truncated file, a missing tensor, bad
 JSON) is reported by `load_training_state` / `read_training_state` as `DamagedCheckpoint`, naming the file, and
 `checkpoint_candidates` lists the older ones a resume can fall back to.
+
+A torchrun job writes sharded checkpoints instead (`save_sharded_checkpoint`): the same directory with the
+model and optimiser states as `torch.distributed.checkpoint` (DCP) shards in `dcp/` in place of safetensors, which
+a job of any size, or a single process, loads (`load_sharded_state`). Single-process checkpoints contain no
+pickle; DCP's metadata is a pickle, so load only sharded checkpoints your own runs wrote.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,10 +25,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict, \
+    set_state_dict
+from torch.distributed.tensor import DTensor
+
 from k3.fileio import atomic_directory, atomic_path, atomic_write, describe_error, remove_stale_temporaries
+from k3.model.pretrained import dense_checkpoint_config
 
 LATEST = "latest"
 STATE_TENSORS = "trainer_state.safetensors"
@@ -150,9 +164,11 @@ def read_training_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
     return saved
 
 
-def load_training_state(checkpoint: str | os.PathLike, optimizers: list) -> dict[str, Any]:
+def load_training_state(checkpoint: str | os.PathLike, optimizers: list, model=None) -> dict[str, Any]:
     """Restore optimiser and RNG states from a checkpoint; return its JSON run state (with `step`).
-    DamagedCheckpoint names the file at fault; the RNG states are set last, only once everything else loaded."""
+    DamagedCheckpoint names the file at fault; the RNG states are set last, only once everything else loaded.
+    `model` (the optimisers' model) is needed when it is sharded (a torchrun job resuming a one-process run):
+    each rank then takes its shards of the whole states."""
     checkpoint = Path(checkpoint)
     saved = read_training_state(checkpoint)
     try:
@@ -162,18 +178,50 @@ def load_training_state(checkpoint: str | os.PathLike, optimizers: list) -> dict
     if len(saved["optimizers"]) != len(optimizers):
         raise DamagedCheckpoint(checkpoint, STATE_JSON, f"holds {len(saved['optimizers'])} optimiser states, "
                                                         f"expected {len(optimizers)}")
-    for i, (opt, state) in enumerate(zip(optimizers, saved.pop("optimizers"))):
+    states = []
+    for i, state in enumerate(saved.pop("optimizers")):
         try:
-            unflattened = _unflatten_optimizer(state, tensors)
+            states.append(_unflatten_optimizer(state, tensors))
         except KeyError as e:
             tensor = str(e.args[0] if e.args else "").startswith(f"optim{i}.")
             raise DamagedCheckpoint(checkpoint, STATE_TENSORS if tensor else STATE_JSON, e) from None
         except LOAD_ERRORS as e:
             raise DamagedCheckpoint(checkpoint, STATE_JSON, f"optimiser {i}: {describe_error(e)}") from None
-        try:
-            opt.load_state_dict(unflattened)
-        except LOAD_ERRORS as e:
-            raise DamagedCheckpoint(checkpoint, STATE_JSON, f"optimiser {i}: {describe_error(e)}") from None
+    try:  # (parameters that never had a gradient have no state: not strict)
+        if model is not None and any(isinstance(p, DTensor) for p in model.parameters()):
+            for opt, state in zip(optimizers, states):
+                set_optimizer_state_dict(model, opt, _by_name(model, opt, state),
+                                         options=StateDictOptions(full_state_dict=True, strict=False))
+                for group, saved_group in zip(opt.param_groups, state["param_groups"]):
+                    # set_optimizer_state_dict keeps only torch's own group options: restore Muon's (split, ...)
+                    group.update({k: v for k, v in saved_group.items() if k != "params"})
+        else:
+            for opt, state in zip(optimizers, states):
+                opt.load_state_dict(state)
+    except LOAD_ERRORS as e:
+        raise DamagedCheckpoint(checkpoint, STATE_JSON, f"optimiser states: {describe_error(e)}") from None
+    _set_rng_states(checkpoint, tensors)
+    return saved
+
+
+def _by_name(model, optimizer, state: dict) -> dict:
+    """An optimiser state dict (parameters numbered in the optimiser's order) keyed by parameter name, the form
+    `set_optimizer_state_dict` takes."""
+    names = {p: n for n, p in model.named_parameters()}
+    order = [names[p] for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {order[i]: entries for i, entries in state["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def _rng_states() -> dict[str, torch.Tensor]:
+    tensors = {"rng.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng.cuda.{i}"] = state
+    return tensors
+
+
+def _set_rng_states(checkpoint: Path, tensors: dict[str, torch.Tensor]) -> None:
     cuda_states = [tensors[k] for k in sorted(tensors) if k.startswith("rng.cuda.")]
     try:
         torch.set_rng_state(tensors["rng.cpu"])
@@ -181,4 +229,94 @@ def load_training_state(checkpoint: str | os.PathLike, optimizers: list) -> dict
             torch.cuda.set_rng_state_all(cuda_states)
     except LOAD_ERRORS as e:
         raise DamagedCheckpoint(checkpoint, STATE_TENSORS, f"bad RNG state: {describe_error(e)}") from None
+
+
+# ------------------------------------------------------------------------------------- sharded (torchrun)
+DCP_DIR = "dcp"
+"""Where a sharded checkpoint keeps the model and optimiser states (`torch.distributed.checkpoint`)."""
+
+
+def is_sharded(checkpoint: str | os.PathLike) -> bool:
+    """Whether a checkpoint holds DCP shards (written by a torchrun job) instead of safetensors."""
+    return (Path(checkpoint) / DCP_DIR / ".metadata").is_file()
+
+
+def _agree(error: BaseException | None, what: str) -> None:
+    """Collective: raise OSError on every rank when `error` is set on any (naming the first failing rank)."""
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else describe_error(error))
+    for rank, message in enumerate(errors):
+        if message is not None:
+            raise OSError(f"{what} failed on rank {rank}: {message}") from error
+
+
+def save_sharded_checkpoint(run_dir: str | os.PathLike, step: int, model, files, optimizers: list,
+                            extra: dict[str, Any]) -> Path:
+    """Collective `save_training_checkpoint` of a torchrun job: every rank writes its shards of the model and
+    optimiser states with DCP into `step_<step>/dcp/` (the `.metadata` file, written last, completes them);
+    rank 0 adds the config, the tokenizer, the RNG state and the JSON run state (all ranks draw the same
+    global batches, so one copy of these serves any world size), renames the staged directory into place and
+    updates `latest`. A failure on any rank (OSError on every rank) leaves the previous checkpoints untouched.
+    DCP stores its metadata with pickle: load only checkpoints your own runs wrote."""
+    root, main = Path(run_dir) / "checkpoints", dist.get_rank() == 0
+    final = root / f"step_{step:07d}"
+    error, staged = None, [None]
+    with contextlib.ExitStack() as stack:
+        if main:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                remove_stale_temporaries(root)
+                staged[0] = str(stack.enter_context(atomic_directory(final)))
+            except OSError as e:
+                error = e
+        _agree(error, "creating the checkpoint directory")
+        dist.broadcast_object_list(staged, src=0)
+        tmp = Path(staged[0])
+        try:
+            model_state, optim_state = get_state_dict(model, optimizers)
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / DCP_DIR)
+        except Exception as e:  # noqa: BLE001 - any rank's failure is every rank's (see _agree)
+            error = e
+        _agree(error, "writing the checkpoint shards")
+        if main:
+            try:
+                dense_checkpoint_config(model.config).released_layout().save(tmp)
+                files.save(tmp)
+                with atomic_path(tmp / STATE_TENSORS) as path:
+                    save_file(_rng_states(), path)
+                atomic_write(tmp / STATE_JSON, json.dumps({"step": step, "optimizers": [], **extra}, indent=1))
+            except OSError as e:
+                error = e
+                stack.pop_all().close()  # nothing to keep: the staged directory is removed
+        _agree(error, "writing the checkpoint")
+    if main:  # the staged directory is in place
+        try:
+            atomic_write(root / LATEST, final.name + "\n")
+        except OSError as e:
+            error = e
+    _agree(error, "updating checkpoints/latest")
+    return final
+
+
+def load_sharded_state(checkpoint: str | os.PathLike, model, optimizers: list) -> dict[str, Any]:
+    """Load a sharded checkpoint into `model` and `optimizers` as they are laid out now — any world size or
+    expert-parallel degree, or one process without torchrun (DCP reshards on load) — then the RNG state; returns
+    the JSON run state. DamagedCheckpoint names the file at fault."""
+    checkpoint = Path(checkpoint)
+    saved = read_training_state(checkpoint)
+    model_state, optim_state = get_state_dict(model, optimizers)
+    try:
+        dcp.load({"model": model_state}, checkpoint_id=checkpoint / DCP_DIR)
+        # parameters that never had a gradient (the one-source AttnRes mix of layer 0) have no optimiser state
+        # in the checkpoint; `get_state_dict` made an empty one for them, which stays
+        dcp.load({"optim": optim_state}, checkpoint_id=checkpoint / DCP_DIR,
+                 planner=DefaultLoadPlanner(allow_partial_load=True))
+        set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state)
+    except Exception as e:  # noqa: BLE001 - DCP raises its own CheckpointException for a missing or bad shard
+        raise DamagedCheckpoint(checkpoint, DCP_DIR, e) from None
+    try:
+        tensors = load_file(checkpoint / STATE_TENSORS)
+    except LOAD_ERRORS as e:
+        raise DamagedCheckpoint(checkpoint, STATE_TENSORS, e) from None
+    _set_rng_states(checkpoint, tensors)
     return saved

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable
+from typing import ContextManager
 
 import matplotlib
 
@@ -46,10 +49,13 @@ def plot_expert_load(load_XE: torch.Tensor, path: str | os.PathLike) -> None:
 
 
 @torch.no_grad()
-def attn_res_mixing(model, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[str]]:
+def attn_res_mixing(model, inputs: dict[str, torch.Tensor],
+                    parameters: Callable[[], ContextManager] = contextlib.nullcontext) -> tuple[torch.Tensor, list[str]]:
     """Mean pre-attention mixing weight of every decoder layer over its sources (rows: layers 1..L−1, then the
     output mix; columns: b₀ = embedding, b₁, …, partial sum), NaN where a layer has fewer sources.
-    `inputs` are keyword arguments of the model's forward (text or multimodal)."""
+    `inputs` are keyword arguments of the model's forward (text or multimodal). The weights are computed after
+    the forward inside `parameters()`: a context in which the AttnRes parameters are whole tensors (a sharded
+    model passes `k3.parallel.fsdp.gathered`)."""
     backbone = getattr(model, "language_model", model).model
     layer_inputs = []
     hooks = [layer.register_forward_pre_hook(lambda _, args: layer_inputs.append(args[:2]))
@@ -63,12 +69,14 @@ def attn_res_mixing(model, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tenso
             h.remove()
     rows, labels = [], []
     mixes = [(layer, cur, bank) for layer, (cur, bank) in zip(backbone.layers, layer_inputs) if bank]
-    for layer, cur, bank in mixes:
-        rows.append(attn_res_weights(bank + [cur], layer.self_attention_res_norm, layer.self_attention_res_proj))
-        labels.append(f"layer {layer.layer_idx}")
-    cur, bank = last_out[0]
-    rows.append(attn_res_weights(bank + [cur], backbone.output_attn_res_norm, backbone.output_attn_res_proj))
-    labels.append("output")
+    with parameters():
+        for layer, cur, bank in mixes:
+            rows.append(attn_res_weights(bank + [cur], layer.self_attention_res_norm,
+                                         layer.self_attention_res_proj))
+            labels.append(f"layer {layer.layer_idx}")
+        cur, bank = last_out[0]
+        rows.append(attn_res_weights(bank + [cur], backbone.output_attn_res_norm, backbone.output_attn_res_proj))
+        labels.append("output")
     width = max(p.shape[0] for p in rows)
     table = torch.full((len(rows), width), float("nan"))
     for i, p_SBT in enumerate(rows):

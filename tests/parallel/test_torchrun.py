@@ -155,8 +155,9 @@ def test_bad_parallel_options_are_one_line_errors(runs, capsys):
     assert "--ep 2 needs a multi-process torchrun job" in capsys.readouterr().err
     assert main(["train", "--data", str(tmp / "corpus"), "--out", str(tmp / "x"), "--steps", "2", "--cpu-offload"]) == 2
     assert "this is a single process" in capsys.readouterr().err
-    bad = k3_train(tmp, tmp / "odd", "--batch-size", "3", nproc=2, check=False)
+    bad = k3_train(tmp, tmp / "odd", "--batch-size", "3", "--cpu-offload", nproc=2, check=False)
     assert bad.returncode != 0 and "--batch-size 3 must divide evenly over the 2 processes" in bad.stdout
+    assert "k3 train: error: --cpu-offload keeps GPU shards in host memory" in bad.stdout  # both, one line
     assert main(["export", str(tmp / "corpus"), str(tmp / "y")]) == 2
     assert "holds no training checkpoint" in capsys.readouterr().err
 

@@ -9,7 +9,9 @@ global value (`full_tensor`: the sum of squares over the shards), combines them 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -25,13 +27,29 @@ def _by_mesh(parameters: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
     return list(groups.values())
 
 
+_REDISTRIBUTE_LOG = "torch.distributed.tensor._redistribute"
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Warnings of the logger `logger_name` suppressed inside the block."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def global_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     """The 2-norm of all gradients together (a plain tensor, equal on every rank): the norm of the per-mesh norms,
     as `get_total_norm` combines per-tensor norms."""
     norms = []
     for group in _by_mesh(parameters):
         norm = torch.nn.utils.get_total_norm([p.grad for p in group])
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        with _quiet(_REDISTRIBUTE_LOG):  # a 2-D mesh's norm is completed dimension by dimension: intended
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.zeros(())
     return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms]))

@@ -182,11 +182,16 @@ class Trainer:
                 raise ValueError("--ep, --cpu-offload and --no-reshard-after-forward shard the model over the "
                                  "processes of a torchrun job; this is a single process")
             return
+        problems = []  # all of them in one line
         if a.task != "text":
-            raise ValueError(f"--task {a.task} trains on one process; torchrun jobs train the text task")
+            problems.append(f"--task {a.task} trains on one process; torchrun jobs train the text task")
+        if a.cpu_offload and self.device.type == "cpu":
+            problems.append("--cpu-offload keeps GPU shards in host memory; this job runs on the CPU already")
         if a.batch_size % self.dist.world_size:
-            raise ValueError(f"--batch-size {a.batch_size} must divide evenly over the {self.dist.world_size} "
-                             "processes (each takes its share of the global batch)")
+            problems.append(f"--batch-size {a.batch_size} must divide evenly over the {self.dist.world_size} "
+                            "processes (each takes its share of the global batch)")
+        if problems:
+            raise ValueError("; ".join(problems))
 
     def _start(self, args: TrainArgs) -> None:
         self.args = args

@@ -102,10 +102,7 @@ class SyntheticText(TextTask):
     """`TextTask` fed by `synthetic_batches` (no corpus, no tokenizer)."""
 
     def __init__(self, batches):
-        self.batches = batches
-
-    def next_batch(self):
-        return next(self.batches)
+        self.batches = batches  # `TextTask.next_batch` draws from it
 
 
 class SyntheticTrainer(Trainer):

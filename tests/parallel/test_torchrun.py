@@ -194,3 +194,28 @@ def test_killed_rank_stops_the_job_and_resume_continues(runs):
     assert f"resumed from {latest_checkpoint(out).parent / f'step_{stopped_at:07d}'}" in resumed.stdout or \
         "resumed from" in resumed.stdout
     assert sorted(metrics(out))[-1] == 40
+
+
+@pytest.mark.slow
+def test_shapes_task_on_two_ranks_equals_one_process(tmp_path):
+    """The multimodal task under torchrun (FSDP2): same losses and caption accuracy as one process, the example
+    report written once; with --ep it is refused in one line."""
+    common = ["--task", "shapes", "--steps", "2", "--batch-size", "4", "--eval-every", "2", "--eval-images", "8",
+              "--checkpoint-every", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run(out, *extra, nproc):
+        launcher = [sys.executable] if nproc == 1 else \
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        return subprocess.run([*launcher, "-m", "k3", "train", *common, "--out", str(out), *extra], env=env,
+                              capture_output=True, text=True, timeout=TIMEOUT_S)
+
+    single, two = run(tmp_path / "one", nproc=1), run(tmp_path / "two", nproc=2)
+    assert single.returncode == 0 and two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert_losses_match(b, a, range(3))
+    assert a[2]["caption_accuracy"] == b[2]["caption_accuracy"]
+    assert (tmp_path / "two" / "examples" / "captions.txt").is_file()
+    assert (tmp_path / "two" / "model" / "preprocessor_config.json").is_file()
+    refused = run(tmp_path / "ep", "--ep", "2", nproc=2)
+    assert refused.returncode != 0 and "--task shapes under torchrun needs --ep 1" in refused.stdout + refused.stderr

@@ -7,8 +7,8 @@
   the loss covers the caption and the end token only, and held-out images are scored by exact match of the
   greedy caption.
 
-Both hand the trainer micro-batches as keyword arguments of the model's forward (labels included) and resume
-from a small JSON-able state.
+Both hand the trainer micro-batches as keyword arguments of the model's forward (labels included) — or one
+rank's rows of them (`next_batch(rows)`, torchrun) — and resume from a small JSON-able state.
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ class TextTask:
         return cls(config, data=args.data, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
                    cache_dir=args.cache_dir)
 
-    def next_batch(self) -> dict[str, torch.Tensor]:
-        return next(self.batches)
+    def next_batch(self, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
+        """The next batch of the stream, or its `rows` (every rank draws the same batch)."""
+        return {k: v[rows] for k, v in next(self.batches).items()}
 
     @staticmethod
     def counted_tokens(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -72,7 +73,7 @@ class TextTask:
     def evaluate(self, model) -> dict[str, float]:
         return {}
 
-    def report(self, model, directory: Path) -> None:
+    def report(self, model, directory: Path | None) -> None:
         """Task-specific artefacts of a finished run (none for text)."""
 
     def state_dict(self) -> dict:
@@ -161,9 +162,10 @@ class ShapesTask:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels,
                 "pixel_values": media["pixel_values"], "grid_thws": media["grid_thws"]}
 
-    def next_batch(self) -> dict[str, torch.Tensor]:
+    def next_batch(self, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
+        """The next batch of the stream, or only the examples of its `rows` (their own padding and media)."""
         start, self.position = self.position, self.position + self.batch_size
-        return self.make_batch([self._example(TRAIN_STREAM, i) for i in range(start, self.position)])
+        return self.make_batch([self._example(TRAIN_STREAM, i) for i in range(start, self.position)[rows]])
 
     @staticmethod
     def counted_tokens(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -201,13 +203,16 @@ class ShapesTask:
             hits += sum(p == text for p, (_, text) in zip(predicted, chunk))
         return {"caption_accuracy": hits / len(self._held_out)}
 
-    def report(self, model, directory: Path, n: int = 8) -> None:
+    def report(self, model, directory: Path | None, n: int = 8) -> None:
         """`examples/`: the first `n` held-out images as PNG, `captions.txt` (true vs greedy caption) and
-        `examples.png` (the images with both captions)."""
-        examples = Path(directory) / "examples"
-        examples.mkdir(parents=True, exist_ok=True)
+        `examples.png` (the images with both captions). `directory` None: the captions are generated (a
+        collective under torchrun: every rank runs it) and nothing is written."""
         chosen = self._held_out[:n]
         predicted = self.captions(model, [img for img, _ in chosen])
+        if directory is None:
+            return
+        examples = Path(directory) / "examples"
+        examples.mkdir(parents=True, exist_ok=True)
         lines = []
         for i, ((img, truth), guess) in enumerate(zip(chosen, predicted)):
             with atomic_path(examples / f"held_out_{i}.png") as tmp:

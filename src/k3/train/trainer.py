@@ -183,8 +183,9 @@ class Trainer:
                                  "processes of a torchrun job; this is a single process")
             return
         problems = []  # all of them in one line
-        if a.task != "text":
-            problems.append(f"--task {a.task} trains on one process; torchrun jobs train the text task")
+        if a.task == "shapes" and a.ep > 1:  # its evaluation generates captions on every rank, in lockstep
+            problems.append("--task shapes under torchrun needs --ep 1 (caption generation runs on every rank "
+                            "and must take identical greedy decisions, which expert-parallel rounding may not)")
         if a.cpu_offload and self.device.type == "cpu":
             problems.append("--cpu-offload keeps GPU shards in host memory; this job runs on the CPU already")
         if a.batch_size % self.dist.world_size:
@@ -338,11 +339,9 @@ class Trainer:
 
     def _next_batch(self) -> dict[str, torch.Tensor]:
         """This rank's rows of the next global batch (all of it on one process)."""
-        batch = self.task.next_batch()
-        if self.dist is not None:
-            rows = rank_rows(self.args.batch_size, self.dist.world_size, self.dist.rank)
-            batch = {k: v[rows] for k, v in batch.items()}
-        return {k: v.to(self.device) for k, v in batch.items()}
+        rows = slice(None) if self.dist is None else \
+            rank_rows(self.args.batch_size, self.dist.world_size, self.dist.rank)
+        return {k: v.to(self.device) for k, v in self.task.next_batch(rows).items()}
 
     # ------------------------------------------------------------------------------------------- the step
     def train_step(self) -> dict:
@@ -464,6 +463,7 @@ class Trainer:
                         error = e
                 if self._any_rank(error is not None)[0]:
                     raise error or OSError("rank 0 could not export the model")
+                self.task.report(self.model, self.out if self.main else None)
                 return path
             with atomic_directory(path) as staged:
                 self.model.save_pretrained(staged)

@@ -30,10 +30,10 @@ TIMEOUT_S = 240  # per job: a hang fails the test
 REL = 1e-4  # fp32 reduction order only
 
 
-def k3_train(tmp, out, *extra, nproc=1, check=True, timeout=TIMEOUT_S):
+def k3_train(tmp, out, *extra, nproc=1, check=True, timeout=TIMEOUT_S, steps=STEPS):
     """`k3 train` on `nproc` processes (torchrun when > 1); returns the CompletedProcess."""
-    args = ["--data", str(tmp / "corpus"), "--out", str(out), "--steps", str(STEPS), "--seq-len", "32",
-            "--batch-size", "4", "--eval-every", "2", "--checkpoint-every", "2", *TINY, *extra]
+    args = ["--data", str(tmp / "corpus"), "--out", str(out), "--seq-len", "32", "--batch-size", "4",
+            "--eval-every", "2", "--checkpoint-every", "2", *TINY, *extra] + (["--steps", str(steps)] if steps else [])
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
         if nproc > 1 else [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_CACHE_DIR": str(tmp / "cache")}
@@ -77,9 +77,11 @@ def runs(tmp_path_factory):
     out["ep2"] = k3_train(tmp, tmp / "ep2", "--ep", "2", "--stop-after", "2", nproc=2)
     # ... resumed by 2 ranks without expert parallelism (FSDP only): the shards are re-cut on load
     out["ep2_fsdp"] = k3_train(tmp, tmp / "ep2", "--resume", nproc=2)
-    # the ep2 run's step-2 checkpoint resumed by one process (2 ranks -> 1)
-    resume_copy(tmp / "ep2", tmp / "ep2_single", 2)
-    out["ep2_single"] = k3_train(tmp, tmp / "ep2_single", "--resume")
+    # the ep2 run resumed by one process (2 ranks -> 1), its newest checkpoint damaged (a shard file lost): the
+    # resume names it and falls back to step 2
+    shutil.copytree(tmp / "ep2", tmp / "ep2_single")
+    (tmp / "ep2_single" / "checkpoints" / "step_0000004" / "dcp" / "__1_0.distcp").unlink()
+    out["ep2_single"] = k3_train(tmp, tmp / "ep2_single", "--resume", steps=None)
     # the one-process run's step-2 checkpoint (safetensors) resumed by 4 ranks as dp 2 × ep 2 (1 -> 4)
     resume_copy(tmp / "single", tmp / "single_4", 2)
     out["single_4"] = k3_train(tmp, tmp / "single_4", "--resume", "--ep", "2", nproc=4)
@@ -107,13 +109,16 @@ def test_two_ranks_with_expert_parallelism_equal_one_process(runs):
 
 
 def test_resume_on_another_layout_continues_the_run(runs):
-    """ep 2 -> FSDP only (2 ranks), 2 ranks -> 1 process, 1 process -> 4 ranks (dp 2 × ep 2, experts sharded
-    over their replicas): every continuation matches the straight one-process run."""
+    """ep 2 -> FSDP only (2 ranks), 2 ranks -> 1 process (falling back from a damaged sharded checkpoint),
+    1 process -> 4 ranks (dp 2 × ep 2, experts sharded over their replicas): every continuation matches the
+    straight one-process run."""
     tmp = runs["tmp"]
     single = metrics(tmp / "single")
     for name in ("ep2", "ep2_single", "single_4"):
         assert_losses_match(metrics(tmp / name), single, range(3, STEPS + 1))
     assert not is_sharded(tmp / "ep2_single" / "checkpoints" / "step_0000004")  # one process writes safetensors
+    assert "checkpoint step_0000004 is damaged" in runs["ep2_single"].stdout
+    assert "resumed from" in runs["ep2_single"].stdout and "step_0000002 at step 2" in runs["ep2_single"].stdout
     assert is_sharded(tmp / "single_4" / "checkpoints" / "step_0000004")
     assert "FSDP2 over dp 4, ep 2 × replicas 2" in runs["single_4"].stdout
 

@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict, \
     set_state_dict
 from torch.distributed.tensor import DTensor
@@ -236,6 +238,26 @@ DCP_DIR = "dcp"
 """Where a sharded checkpoint keeps the model and optimiser states (`torch.distributed.checkpoint`)."""
 
 
+DCP_ERRORS = (Exception, CheckpointException)
+"""What a DCP save or load raises: CheckpointException (a BaseException) gathers every rank's error."""
+
+
+def dcp_failure(error: BaseException) -> BaseException:
+    """The lowest failing rank's own error inside a CheckpointException (whose text is a traceback per rank)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        return error.failures[min(error.failures)][0]
+    return error
+
+
+@contextlib.contextmanager
+def single_process_dcp():
+    """DCP used outside a process group (one process reading shards) warns that it assumes so — the intent here;
+    the warning is filtered inside the block."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def is_sharded(checkpoint: str | os.PathLike) -> bool:
     """Whether a checkpoint holds DCP shards (written by a torchrun job) instead of safetensors."""
     return (Path(checkpoint) / DCP_DIR / ".metadata").is_file()
@@ -275,8 +297,8 @@ def save_sharded_checkpoint(run_dir: str | os.PathLike, step: int, model, files,
         try:
             model_state, optim_state = get_state_dict(model, optimizers)
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / DCP_DIR)
-        except Exception as e:  # noqa: BLE001 - any rank's failure is every rank's (see _agree)
-            error = e
+        except DCP_ERRORS as e:  # any rank's failure is every rank's (see _agree)
+            error = dcp_failure(e)
         _agree(error, "writing the checkpoint shards")
         if main:
             try:
@@ -306,14 +328,15 @@ def load_sharded_state(checkpoint: str | os.PathLike, model, optimizers: list) -
     saved = read_training_state(checkpoint)
     model_state, optim_state = get_state_dict(model, optimizers)
     try:
-        dcp.load({"model": model_state}, checkpoint_id=checkpoint / DCP_DIR)
-        # parameters that never had a gradient (the one-source AttnRes mix of layer 0) have no optimiser state
-        # in the checkpoint; `get_state_dict` made an empty one for them, which stays
-        dcp.load({"optim": optim_state}, checkpoint_id=checkpoint / DCP_DIR,
-                 planner=DefaultLoadPlanner(allow_partial_load=True))
+        with single_process_dcp():
+            dcp.load({"model": model_state}, checkpoint_id=checkpoint / DCP_DIR)
+            # parameters that never had a gradient (the one-source AttnRes mix of layer 0) have no optimiser
+            # state in the checkpoint; `get_state_dict` made an empty one for them, which stays
+            dcp.load({"optim": optim_state}, checkpoint_id=checkpoint / DCP_DIR,
+                     planner=DefaultLoadPlanner(allow_partial_load=True))
         set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state)
-    except Exception as e:  # noqa: BLE001 - DCP raises its own CheckpointException for a missing or bad shard
-        raise DamagedCheckpoint(checkpoint, DCP_DIR, e) from None
+    except DCP_ERRORS as e:
+        raise DamagedCheckpoint(checkpoint, DCP_DIR, dcp_failure(e)) from None
     try:
         tensors = load_file(checkpoint / STATE_TENSORS)
     except LOAD_ERRORS as e:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -19,8 +18,8 @@ import torch.distributed.checkpoint as dcp
 
 from k3.config import K3Config
 from k3.fileio import atomic_directory
-from k3.train.checkpoint import DCP_DIR, LOAD_ERRORS, STATE_JSON, STATE_TENSORS, DamagedCheckpoint, \
-    checkpoint_candidates, is_sharded, read_training_state
+from k3.train.checkpoint import DCP_DIR, DCP_ERRORS, LOAD_ERRORS, STATE_JSON, STATE_TENSORS, DamagedCheckpoint, \
+    checkpoint_candidates, dcp_failure, is_sharded, read_training_state, single_process_dcp
 from k3.train.tasks import TASKS
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
@@ -55,11 +54,10 @@ def load_checkpoint_model(checkpoint: str | os.PathLike) -> torch.nn.Module:
         raise DamagedCheckpoint(checkpoint, "config.json", e) from None
     state = model.state_dict()
     try:  # only the model's entries; this process alone, even inside a torchrun job
-        with warnings.catch_warnings():  # DCP warns that it reads in a single process: the intent here
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with single_process_dcp():
             dcp.load({"model": state}, checkpoint_id=checkpoint / DCP_DIR, no_dist=True)
-    except Exception as e:  # noqa: BLE001 - DCP wraps every reader error in CheckpointException
-        raise DamagedCheckpoint(checkpoint, DCP_DIR, e) from None
+    except DCP_ERRORS as e:
+        raise DamagedCheckpoint(checkpoint, DCP_DIR, dcp_failure(e)) from None
     model.load_state_dict(state)
     return model
 

@@ -3,7 +3,13 @@
 B=1, H=4, K=V=128, T ∈ {1024, 4096, 16384} (--quick: up to 4096); forward (no grad) and forward+backward.
 Every measurement runs in a fresh process, so the reported peak RSS belongs to that measurement alone.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/kda.py [--quick]
+FLOP rate of the chunk path: the KDA-core term of `k3.model.accounting.forward_flops_per_token`,
+H·(6K² + 3CK + C²) per token forward (state read, write and W·S: 3 × 2K²; the C×C scores and M·Ũ: 3CK; the
+triangular solve: C²), and 3× that for forward+backward, against the fp32 matmul peak (median rate of a
+2048³ `torch.mm` with the same threads, measured before the cells; `train.matmul_peak_gflops`). The CPU-wait
+share (PSI) of the whole run says whether other processes competed for the cores.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/kda.py [--quick] [--lengths T ...]
 
 glibc returns large freed blocks to the OS, so every big temporary is page-faulted in again; on small VMs that
 can be half of the chunk path's time. `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1000000000000` in the
@@ -23,11 +29,19 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.kda import chunk_kda, recurrent_kda
-from common import machine
+from common import CpuWait, machine
+from train import matmul_peak_gflops
 
 B, H, K, V = 1, 4, 128, 128
 OPS = {"recurrent": recurrent_kda, "chunk": chunk_kda}
 BUDGET_S = 5.0  # repeat a measurement while it fits in this many seconds (always at least once)
+C = 64  # kda_chunk_size, the default of chunk_kda
+
+
+def chunk_flops(T, backward):
+    """Model FLOPs of the chunked core: H·(6K² + 3CK + C²) per token forward (accounting's KDA term), ×3 with
+    backward."""
+    return (3 if backward else 1) * B * T * H * (6 * K * K + 3 * C * K + C * C)
 
 
 def make_inputs(T, requires_grad):
@@ -72,22 +86,31 @@ def in_fresh_process(*args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T up to 4096 only")
-    lengths = [1024, 4096] if parser.parse_args().quick else [1024, 4096, 16384]
+    parser.add_argument("--lengths", type=int, nargs="+", help="these sequence lengths instead")
+    args = parser.parse_args()
+    lengths = args.lengths or ([1024, 4096] if args.quick else [1024, 4096, 16384])
 
     malloc_env = " ".join(f"{name}={value}" for name, value in os.environ.items() if name.startswith("MALLOC_"))
+    cpu_wait, peak_gflops = CpuWait(), matmul_peak_gflops()
     print(f"Machine: {machine()}")
     print(f"Allocator: glibc malloc, {malloc_env or 'default settings'}")
-    print(f"B={B}, H={H}, K=V={K}, fp32, median ms per call; peak RSS of the measuring process\n")
-    columns = ["T", "pass", "recurrent ms", "chunk ms", "recurrent tok/s", "chunk tok/s", "recurrent/chunk"]
-    print("| " + " | ".join(columns + ["peak RSS recurrent / chunk (MiB)"]) + " |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print(f"fp32 matmul peak (2048³ torch.mm): {peak_gflops:.1f} GFLOP/s")
+    print(f"B={B}, H={H}, K=V={K}, fp32, median ms per call; peak RSS of the measuring process; chunk GFLOP = "
+          f"H·(6K² + 3CK + C²)·T (×3 with backward), C={C}\n")
+    columns = ["T", "pass", "recurrent ms", "chunk ms", "recurrent tok/s", "chunk tok/s", "recurrent/chunk",
+               "chunk GFLOP", "chunk GFLOP/s (% of peak)", "peak RSS recurrent / chunk (MiB)"]
+    print("| " + " | ".join(columns) + " |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for T in lengths:
         for backward in (False, True):
             (rec_s, rec_mib), (chunk_s, chunk_mib) = (in_fresh_process(op, T, backward) for op in OPS)
+            gflop = chunk_flops(T, backward) / 1e9
             cells = [T, "fwd+bwd" if backward else "fwd", f"{1e3 * rec_s:.0f}", f"{1e3 * chunk_s:.0f}"]
-            cells += [f"{B * T / rec_s:,.0f}", f"{B * T / chunk_s:,.0f}", f"{rec_s / chunk_s:.1f}"]
+            cells += [f"{B * T / rec_s:,.0f}", f"{B * T / chunk_s:,.0f}", f"{rec_s / chunk_s:.1f}", f"{gflop:.2f}"]
+            cells += [f"{gflop / chunk_s:.1f} ({100 * gflop / chunk_s / peak_gflops:.0f} %)"]
             cells += [f"{rec_mib:,.0f} / {chunk_mib:,.0f}"]
             print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+    print(f"\nCPU wait (share of the run's wall time in which some task waited for a core): {cpu_wait}")
 
 
 if __name__ == "__main__":

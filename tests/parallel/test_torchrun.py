@@ -73,12 +73,9 @@ def runs(tmp_path_factory):
         (tmp / "corpus" / f"doc{i:02d}.txt").write_text(doc)
     out = {"tmp": tmp}
     out["single"] = k3_train(tmp, tmp / "single")  # one process, 4 steps, checkpoints at 2 and 4
-    # 2 ranks, expert parallel 2, paused at step 2 ...
-    out["ep2"] = k3_train(tmp, tmp / "ep2", "--ep", "2", "--stop-after", "2", nproc=2)
-    # ... resumed by 2 ranks without expert parallelism (FSDP only): the shards are re-cut on load
-    out["ep2_fsdp"] = k3_train(tmp, tmp / "ep2", "--resume", nproc=2)
-    # the ep2 run resumed by one process (2 ranks -> 1), its newest checkpoint damaged (a shard file lost): the
-    # resume names it and falls back to step 2
+    out["ep2"] = k3_train(tmp, tmp / "ep2", "--ep", "2", nproc=2)  # 2 ranks, expert parallel 2
+    # the ep2 run resumed by one process (2 ranks, ep 2 -> 1 process), its newest checkpoint damaged (a shard
+    # file lost): the resume names it and falls back to step 2
     shutil.copytree(tmp / "ep2", tmp / "ep2_single")
     (tmp / "ep2_single" / "checkpoints" / "step_0000004" / "dcp" / "__1_0.distcp").unlink()
     out["ep2_single"] = k3_train(tmp, tmp / "ep2_single", "--resume", steps=None)
@@ -109,12 +106,11 @@ def test_two_ranks_with_expert_parallelism_equal_one_process(runs):
 
 
 def test_resume_on_another_layout_continues_the_run(runs):
-    """ep 2 -> FSDP only (2 ranks), 2 ranks -> 1 process (falling back from a damaged sharded checkpoint),
-    1 process -> 4 ranks (dp 2 × ep 2, experts sharded over their replicas): every continuation matches the
-    straight one-process run."""
+    """2 ranks with ep 2 -> 1 process (falling back from a damaged sharded checkpoint), 1 process -> 4 ranks
+    (dp 2 × ep 2, experts sharded over their replicas): every continuation matches the straight one-process run."""
     tmp = runs["tmp"]
     single = metrics(tmp / "single")
-    for name in ("ep2", "ep2_single", "single_4"):
+    for name in ("ep2_single", "single_4"):
         assert_losses_match(metrics(tmp / name), single, range(3, STEPS + 1))
     assert not is_sharded(tmp / "ep2_single" / "checkpoints" / "step_0000004")  # one process writes safetensors
     assert "checkpoint step_0000004 is damaged" in runs["ep2_single"].stdout

@@ -359,8 +359,7 @@ class Trainer:
                 out = model(**batch)
             summed = out.loss * out.loss_tokens  # divided by the global token count below, after backward
             summed.backward()
-            sums += torch.stack([summed.detach().double().cpu(), out.loss_tokens.double().cpu(),
-                                 counted.sum().double().cpu()])
+            sums += torch.stack([summed.detach().double(), out.loss_tokens.double(), counted.sum().double()]).cpu()
         loss_sum, scored, tokens = self._all_reduce(sums).tolist()
         if not math.isfinite(loss_sum):  # on any rank: the reduced sum is not finite on every rank
             raise TrainingDiverged(f"non-finite loss at step {self.step}; the last good checkpoint is "

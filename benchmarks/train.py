@@ -29,7 +29,7 @@ builds the model, optimisers, balancer and observers exactly as `Trainer.__init_
    * the QK-Clip max-logit recomputation (observer, inside the MLA window, subtracted from it) and the QB
      statistics (observer, inside the MoE forward, subtracted from it) are timed on their own;
    * clip, Muon, AdamW, QK-Clip rescale and QB solve/install are timed around those calls (optimiser step hooks;
-     wrappers of `clip_grad_norm_`, `qk_clip_` and `balancer.step`);
+     wrappers of the trainer's `clip_grad_norm_`, `qk_clip_` and `balancer.step`);
    * "rest of fwd/bwd" is the forward (model call, loss included) or backward total minus the sublayers:
      embedding, norms, lm_head, cross-entropy, residual adds.
    The profiled steps' total is printed next to the clean median (timer overhead).
@@ -165,7 +165,7 @@ class StepProfiler:
         self._wrap(trainer.balancer, "on_routing", self._phase, "QB statistics")
         self._wrap(qk_clip_module, "mla_max_logits", self._phase, "QK-Clip max logits")
         self._wrap(model, "forward", self._phase, "forward")
-        self._wrap(torch.nn.utils, "clip_grad_norm_", self._phase, "clip")
+        self._wrap(trainer_module, "clip_grad_norm_", self._phase, "clip")
         self._wrap(trainer_module, "qk_clip_", self._phase, "QK-Clip rescale")
         self._wrap(trainer.balancer, "step", self._phase, "QB solve + install")
         for opt, name in zip(trainer.optimizers, ("Muon", "AdamW")):

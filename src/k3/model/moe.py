@@ -11,6 +11,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.cache import StepContext
 from k3.model.ffn import SiTUMLP, glu_activation
+from k3.ops.grouped_mm import grouped_mm
 from k3.ops.norm import RMSNorm
 from k3.ops.precision import KeepFP32, fp32
 
@@ -80,25 +81,26 @@ class RoutedExperts(nn.Module):
             return self._forward_loop(z_NL, idx_Nk, w_Nk)
         return self._forward_grouped(z_NL, idx_Nk, w_Nk)
 
-    def expert(self, e: int | torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """E_e(z) = W2_e · SiTU-GLU(W1_e z, W3_e z); with a tensor of experts `e`, z is [E', a, L] (batched)."""
+    def expert(self, e: int, z: torch.Tensor) -> torch.Tensor:
+        """E_e(z) = W2_e · SiTU-GLU(W1_e z, W3_e z) for one expert e."""
         h = glu_activation(self.config, z @ self.w1[e].transpose(-1, -2), z @ self.w3[e].transpose(-1, -2))
         return h @ self.w2[e].transpose(-1, -2)
 
+    def sorted_experts(self, z_AL: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """E_e(z) for rows sorted by expert, `counts_E[e]` rows for expert e: one grouped matmul per weight
+        (`k3.ops.grouped_mm`: no padding, no copy of the weights in use)."""
+        h_AM = glu_activation(self.config, grouped_mm(z_AL, self.w1.transpose(-1, -2), counts_E),
+                              grouped_mm(z_AL, self.w3.transpose(-1, -2), counts_E))
+        return grouped_mm(h_AM, self.w2.transpose(-1, -2), counts_E)
+
     def _forward_grouped(self, z_NL: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
-        """Tokens grouped by expert into a padded [E', a, L] batch; one batched matmul per weight matrix."""
+        """The N·k (token, expert) assignments sorted by expert, then `sorted_experts`."""
         N, k = idx_Nk.shape
-        expert_A = idx_Nk.flatten()  # A = N·k (token, expert) assignments
+        expert_A = idx_Nk.flatten()  # A = N·k assignments
         order_A = torch.argsort(expert_A, stable=True)
-        expert_A, token_A, weight_A = expert_A[order_A], order_A // k, w_Nk.flatten()[order_A]
-        active, counts = torch.unique_consecutive(expert_A, return_counts=True)
-        slot_A = torch.arange(expert_A.numel(), device=z_NL.device) - torch.repeat_interleave(
-            torch.cumsum(counts, 0) - counts, counts)  # position of each assignment inside its expert's group
-        row_A = torch.repeat_interleave(torch.arange(active.numel(), device=z_NL.device), counts)
-        z_EaL = z_NL.new_zeros(active.numel(), int(counts.max()) if counts.numel() else 0, z_NL.shape[-1])
-        z_EaL[row_A, slot_A] = z_NL[token_A]
-        y_AL = self.expert(active, z_EaL)[row_A, slot_A]
-        return self._combine(y_AL, token_A, weight_A, N)
+        token_A = order_A // k
+        y_AL = self.sorted_experts(z_NL[token_A], torch.bincount(expert_A, minlength=self.config.num_experts))
+        return self._combine(y_AL, token_A, w_Nk.flatten()[order_A], N)
 
     def _forward_loop(self, z_NL: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
         """Reference: one expert at a time over the tokens that chose it (§6.7)."""

@@ -23,8 +23,8 @@ Dispatch, per layer and forward (every rank of `ep_mesh` must run it: it is a co
    (`torch.distributed._functional_collectives.all_to_all_single_autograd`; its backward is the reverse
    all-to-all, so gradients of z go home and the expert weight gradients stay with the owner);
 4. the owner groups the received rows by local expert and evaluates them with the model's own expert math
-   (`RoutedExperts.expert`: SiTU-GLU via `k3.model.ffn.glu_activation`), honouring `moe_impl` ("grouped": one
-   padded batched matmul per weight, "loop": one expert at a time);
+   (`RoutedExperts.sorted_experts` / `expert`: SiTU-GLU via `k3.model.ffn.glu_activation`), honouring `moe_impl`
+   ("grouped": one grouped matmul per weight, "loop": one expert at a time);
 5. the outputs return along the reverse all-to-all, and the source rank forms Σ w·E_e(z) with
    `RoutedExperts._combine` (weights applied after `w2`, accumulated in fp32, cast back) — so the result equals
    the single-process layer up to the fp32 summation order.
@@ -133,11 +133,10 @@ class ExpertParallelRoutedExperts(RoutedExperts):
         """The owned experts as plain [E/ep, ...] tensors (autograd flows back into the DTensor parameters)."""
         return SimpleNamespace(config=self.config, **{n: getattr(self, n).to_local() for n in EXPERT_WEIGHTS})
 
-    def expert(self, e: int | torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """E_e(z) for an expert `e` (global index, or a tensor of them) owned by this rank."""
+    def expert(self, e: int, z: torch.Tensor) -> torch.Tensor:
+        """E_e(z) for an expert `e` (global index) owned by this rank."""
         local = e - self.local_expert_range.start
-        outside = torch.as_tensor(local)
-        if bool(((outside < 0) | (outside >= self.num_local_experts)).any()):
+        if not 0 <= local < self.num_local_experts:
             raise ValueError(f"expert {e} is not on EP rank {self.ep_rank} (it owns {self.local_expert_range})")
         return RoutedExperts.expert(self._local_weights(), local, z)
 
@@ -190,17 +189,10 @@ class ExpertParallelRoutedExperts(RoutedExperts):
             order = torch.cat(rows)
             inverse[order] = torch.arange(order.numel(), device=order.device)
             return torch.cat(outs)[inverse]
-        # grouped: rows packed per active expert into a padded [E', a, L] batch, one batched matmul per weight
-        counts = torch.tensor([per_expert[i] for i in active], device=z_RL.device)
-        row_of_expert = torch.full((len(per_expert),), -1, dtype=torch.long, device=z_RL.device)
-        row_of_expert[active] = torch.arange(len(active), device=z_RL.device)
+        # grouped: the received rows sorted by local expert, one grouped matmul per weight, then unsorted
         order_R = torch.argsort(local_R, stable=True)
-        row_R = row_of_expert[local_R[order_R]]
-        slot_R = torch.arange(order_R.numel(), device=z_RL.device) - torch.repeat_interleave(
-            torch.cumsum(counts, 0) - counts, counts)
-        z_EaL = z_RL.new_zeros(len(active), max(per_expert), z_RL.shape[-1])
-        z_EaL[row_R, slot_R] = z_RL[order_R]
-        y_sorted = RoutedExperts.expert(weights, torch.tensor(active, device=z_RL.device), z_EaL)[row_R, slot_R]
+        counts = torch.tensor(per_expert, device=z_RL.device)
+        y_sorted = RoutedExperts.sorted_experts(weights, z_RL[order_R], counts)
         return torch.empty_like(y_sorted).index_copy(0, order_R, y_sorted)
 
     def _record(self, input_splits: list[int], output_splits: list[int], z_size: int, y_size: int,

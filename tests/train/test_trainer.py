@@ -141,6 +141,25 @@ def test_time_budget_ends_the_run(corpus, tmp_path):
     assert last["step"] == summary["step"] and "val_loss" in last
 
 
+def test_minutes_schedule_follows_the_measured_pace(corpus, tmp_path, monkeypatch):
+    """The --minutes length is re-fitted from the median step time (the first, slow step left out once others
+    exist), evaluations included, 5 % of the remaining budget kept back; it never ends before the next step."""
+    import k3.train.trainer as trainer_module
+
+    t = trainer_module.Trainer.__new__(trainer_module.Trainer)
+    t.args, t.dist, t.step = _args(corpus, tmp_path, steps=None, minutes=1.0).for_new_run(), None, 4
+    t.history = [{"step": 0, "val_loss": 8.0}] + [{"step": i + 1, "seconds": s} for i, s in enumerate([9.0, 1.0, 1.0, 1.0])]
+    monkeypatch.setattr(trainer_module.time, "monotonic", lambda: 1000.0)
+    t._fit_schedule(deadline=1000.0 + 100.0, eval_seconds=1.0)  # pace 1 s + an evaluation (1 s) every 2 steps
+    assert t.total_steps == 4 + int(95 / 1.5)
+    t.history += [{"step": s, "seconds": 3.0} for s in range(5, 9)]
+    t.step = 8
+    t._fit_schedule(deadline=1000.0 + 100.0, eval_seconds=1.0)  # the machine slowed down: median 3 s now
+    assert t.total_steps == 8 + int(95 / 3.5)
+    t._fit_schedule(deadline=1000.0 - 5.0, eval_seconds=1.0)  # past the deadline: one more step at least
+    assert t.total_steps == 9
+
+
 # ------------------------------------------------------------------------------------- up-front checks
 
 

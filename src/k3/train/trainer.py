@@ -25,6 +25,7 @@ import json
 import math
 import shutil
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -474,16 +475,20 @@ class Trainer:
                              f"{self.out}` exports it again") from e
         return path
 
-    def _size_schedule(self, deadline: float, eval_seconds: float) -> None:
-        """--minutes: run two steps, then fit the schedule's length into the remaining budget, evaluations
-        (every `eval_every` steps) included, with a 10 % margin for checkpoints and plots. The first step pays
-        one-time costs, so the faster of the two sets the pace; both run at (almost) zero learning rate."""
-        self.total_steps = 10**9  # a provisional length: its 1 % warm-up keeps lr ≈ 0 for these steps
-        self.history += [self.train_step(), self.train_step()]
-        step_seconds = min(m["seconds"] for m in self.history[-2:])
-        remaining = 0.9 * (deadline - time.monotonic()) - eval_seconds
-        fitted = remaining / (step_seconds + eval_seconds / self.args.eval_every)
-        fitted = int(self._all_reduce(torch.tensor(int(fitted)), dist.ReduceOp.MIN))  # one length for all ranks
+    def _fit_schedule(self, deadline: float, eval_seconds: float) -> None:
+        """--minutes: set the schedule's length so that it ends at the deadline at the pace measured so far.
+
+        Called after steps 1, 2, 4, 8, … and after every evaluation, so the length follows the machine's real
+        speed (the first step pays one-time costs; a machine may speed up or slow down): the pace is the median
+        of the last 16 step times (step 1 only while it is the only one), evaluations every `eval_every` steps
+        count at the time the first one took, and 5 % of the remaining budget is kept for checkpoints and the
+        export. Every rank gets the shortest length of all ranks. The step that sees the deadline passed ends
+        the run in any case."""
+        times = [m["seconds"] for m in self.history if "seconds" in m]
+        pace = statistics.median(times[1:][-16:] or times)
+        remaining = 0.95 * (deadline - time.monotonic())
+        fitted = self.step + int(remaining / (pace + eval_seconds / self.args.eval_every))
+        fitted = int(self._all_reduce(torch.tensor(fitted), dist.ReduceOp.MIN))  # one length for all ranks
         self.total_steps = self._shortest_schedule(max(self.step + 1, fitted))
 
     def run(self) -> dict:
@@ -502,8 +507,8 @@ class Trainer:
         last_saved, stopped_by = self.step, None
         try:
             with _StopRequest() as stop:
-                if self.total_steps is None:
-                    self._size_schedule(deadline, eval_seconds)
+                if sized_here:  # the first step runs at lr 0 whatever the length (§8.7): fitted after it
+                    self.total_steps = 10**9
                 bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True,
                            disable=not self.main)
                 finished = self.step >= self.total_steps
@@ -519,6 +524,9 @@ class Trainer:
                     if self.step % a.eval_every == 0 or finished:
                         metrics.update(self.evaluate())
                     self.history.append(metrics)
+                    if sized_here and not finished and (self.step & (self.step - 1) == 0 or "val_loss" in metrics):
+                        self._fit_schedule(deadline, eval_seconds)
+                        bar.total = self.total_steps
                     bar.update(1)
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
                                     lr=f"{metrics['lr']:.2e}", maxvio=f"{metrics['max_vio']:.2f}")

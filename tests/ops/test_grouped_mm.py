@@ -6,11 +6,11 @@ import torch
 from k3.ops import grouped_mm as gm
 
 
-def operands(counts, I=24, O=40, dtype=torch.float32, seed=0):
+def operands(counts, m=24, n=40, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     counts = torch.tensor(counts)
-    x = torch.randn(int(counts.sum()), I, generator=g, dtype=dtype, requires_grad=True)
-    w = torch.randn(len(counts), O, I, generator=g, dtype=dtype).transpose(-1, -2).requires_grad_()  # a view, as in the model
+    x = torch.randn(int(counts.sum()), m, generator=g, dtype=dtype, requires_grad=True)
+    w = torch.randn(len(counts), n, m, generator=g, dtype=dtype).transpose(-1, -2).requires_grad_()  # a view, as in the model
     return x, w, counts
 
 
@@ -44,7 +44,7 @@ def test_fast_path_equals_reference_values_and_gradients(counts):
 
 def test_float64_falls_back_to_the_reference():
     """Double precision has no grouped kernel on CPU: the reference runs (same numbers, gradcheck passes)."""
-    x, w, c = operands([2, 0, 3], I=3, O=4, dtype=torch.float64)
+    x, w, c = operands([2, 0, 3], m=3, n=4, dtype=torch.float64)
     torch.testing.assert_close(gm.grouped_mm(x, w, c), by_hand(x, w, c))
     assert torch.autograd.gradcheck(lambda a, b: gm.grouped_mm(a, b, c), (x, w))
 

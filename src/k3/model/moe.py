@@ -89,9 +89,9 @@ class RoutedExperts(nn.Module):
     def sorted_experts(self, z_AL: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """E_e(z) for rows sorted by expert, `counts_E[e]` rows for expert e: one grouped matmul per weight
         (`k3.ops.grouped_mm`: no padding, no copy of the weights in use)."""
-        h_AM = glu_activation(self.config, grouped_mm(z_AL, self.w1.transpose(-1, -2), counts_E),
+        h_AF = glu_activation(self.config, grouped_mm(z_AL, self.w1.transpose(-1, -2), counts_E),
                               grouped_mm(z_AL, self.w3.transpose(-1, -2), counts_E))
-        return grouped_mm(h_AM, self.w2.transpose(-1, -2), counts_E)
+        return grouped_mm(h_AF, self.w2.transpose(-1, -2), counts_E)
 
     def _forward_grouped(self, z_NL: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
         """The N·k (token, expert) assignments sorted by expert, then `sorted_experts`."""

@@ -1,11 +1,11 @@
-"""Grouped matmul: rows sorted by group, each group multiplied by its own matrix (the routed experts, §6.7).
+"""Grouped matmul: rows sorted by expert, each expert's rows times its own matrix (the routed experts, §6.7).
 
-`grouped_mm(x_AI, w_GIO, counts_G)`: rows `x_AI` sorted by group, `counts_G[g]` of them for group g (zeros
-allowed), `w_GIO` one [I, O] matrix per group (a transposed view is fine); returns the [A, O] products in the
+`grouped_mm(x_Am, w_Emn, counts_E)`: rows `x_Am` sorted by expert, `counts_E[e]` of them for expert e (zeros
+allowed), `w_Emn` one [m, n] matrix per expert (a transposed view is fine); returns the [A, n] products in the
 rows' order. The fast path is PyTorch's `torch._grouped_mm` (one kernel, no padding, no copy of the weights
-of the groups in use; its backward gives every group's weight gradient, zeros for groups without rows). It
+in use; its backward gives every expert's weight gradient, zeros for experts without rows). It
 exists where the installed PyTorch has it for the tensors' device and dtype (checked once per combination);
-elsewhere, for example float64 on CPU or an older PyTorch, `grouped_mm_reference` does one matmul per group.
+elsewhere, for example float64 on CPU or an older PyTorch, `grouped_mm_reference` does one matmul per expert.
 """
 
 from __future__ import annotations
@@ -15,34 +15,34 @@ import functools
 import torch
 
 
-def grouped_mm_reference(x_AI: torch.Tensor, w_GIO: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
-    """The readable reference: x[rows of g] @ w[g] for every group g that has rows."""
-    ends = torch.cumsum(counts_G, 0).tolist()
-    pieces = [x_AI[end - n:end] @ w_GIO[g] for g, (n, end) in enumerate(zip(counts_G.tolist(), ends)) if n]
+def grouped_mm_reference(x_Am: torch.Tensor, w_Emn: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """The readable reference: x[rows of e] @ w[e] for every expert e that has rows."""
+    ends = torch.cumsum(counts_E, 0).tolist()
+    pieces = [x_Am[end - c:end] @ w_Emn[e] for e, (c, end) in enumerate(zip(counts_E.tolist(), ends)) if c]
     if not pieces:  # no rows at all: still an autograd path to the weights (their gradient is zero)
-        return x_AI @ w_GIO[0]
+        return x_Am @ w_Emn[0]
     return torch.cat(pieces)
 
 
 @functools.cache
-def _fast_path_works(device: torch.device, dtype: torch.dtype, I: int, O: int) -> bool:
+def _fast_path_works(device: torch.device, dtype: torch.dtype, m: int, n: int) -> bool:
     """Whether `torch._grouped_mm` runs for these operands here (device, dtype, shapes: CUDA needs aligned
     bf16 matrices), tried once on a small problem of the same width."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        x = torch.zeros(2, I, dtype=dtype, device=device)
-        w = torch.zeros(2, O, I, dtype=dtype, device=device).transpose(-1, -2)
+        x = torch.zeros(2, m, dtype=dtype, device=device)
+        w = torch.zeros(2, n, m, dtype=dtype, device=device).transpose(-1, -2)
         torch._grouped_mm(x, w, offs=torch.tensor([1, 2], dtype=torch.int32, device=device))
     except (RuntimeError, NotImplementedError):
         return False
     return True
 
 
-def grouped_mm(x_AI: torch.Tensor, w_GIO: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
-    """Row block g of `x_AI` (`counts_G[g]` rows, in group order) times `w_GIO[g]`; [A, O]."""
-    w_GIO = w_GIO.to(x_AI.dtype)  # autocast does not cover the grouped kernel: the weights follow x (no-op in fp32)
-    if not _fast_path_works(x_AI.device, x_AI.dtype, *w_GIO.shape[1:]):
-        return grouped_mm_reference(x_AI, w_GIO, counts_G)
-    offs_G = torch.cumsum(counts_G, 0, dtype=torch.int32)  # end row of every group
-    return torch._grouped_mm(x_AI, w_GIO, offs=offs_G)
+def grouped_mm(x_Am: torch.Tensor, w_Emn: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Row block e of `x_Am` (`counts_E[e]` rows, in expert order) times `w_Emn[e]`; [A, n]."""
+    w_Emn = w_Emn.to(x_Am.dtype)  # autocast does not cover the grouped kernel: the weights follow x (no-op in fp32)
+    if not _fast_path_works(x_Am.device, x_Am.dtype, *w_Emn.shape[1:]):
+        return grouped_mm_reference(x_Am, w_Emn, counts_E)
+    offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)  # end row of every expert
+    return torch._grouped_mm(x_Am, w_Emn, offs=offs_E)

@@ -55,3 +55,11 @@ def test_the_fast_path_is_taken_for_fp32_on_this_pytorch():
         pytest.skip("this PyTorch has no torch._grouped_mm")
     assert gm._fast_path_works(torch.device("cpu"), torch.float32, 24, 40)
     assert not gm._fast_path_works(torch.device("cpu"), torch.float64, 24, 40)
+
+
+def test_fewer_rows_than_experts_loop_over_the_experts_in_use(monkeypatch):
+    """Decoding (a few rows, many experts) never calls the kernel, whose cost grows with the expert count."""
+    x, w, c = operands([0, 2, 0, 0, 1, 0, 0, 0])
+    expected = by_hand(x, w, c)
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: pytest.fail("kernel called"), raising=False)
+    torch.testing.assert_close(gm.grouped_mm(x, w, c), expected)

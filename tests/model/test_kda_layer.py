@@ -130,6 +130,25 @@ def test_short_conv_matches_tap_loop():
     torch.testing.assert_close(torch.cat([y_a, y_b], 1), y, rtol=0, atol=1e-6)
 
 
+
+def test_short_conv_paths_agree():
+    """The three ways of computing the conv (W shifted products with gradients, conv1d for a no-grad prefill,
+    the window product for one token) give the same outputs and carried contexts."""
+    gen = torch.Generator().manual_seed(3)
+    P, T, W = 12, 9, 4
+    x, w = torch.randn(2, T, P, generator=gen), torch.randn(P, 1, W, generator=gen)
+    context = torch.randn(2, W - 1, P, generator=gen)
+    taps, taps_ctx = short_conv(x, w, context)  # grad mode: the shifted products
+    with torch.no_grad():
+        prefill, prefill_ctx = short_conv(x, w, context)  # conv1d
+        steps, ctx = [], context
+        for t in range(T):  # one token at a time: the window product
+            y, ctx = short_conv(x[:, t:t + 1], w, ctx)
+            steps.append(y)
+    torch.testing.assert_close(prefill, taps, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.cat(steps, 1), taps, rtol=1e-6, atol=1e-6)
+    assert torch.equal(prefill_ctx, taps_ctx) and torch.equal(ctx, taps_ctx)
+
 # -------------------------------------------------------------------------------------------- layer
 @pytest.mark.parametrize("scale", [1.0, 1e-3])
 def test_layer_matches_spec_dataflow(tiny_config, scale):

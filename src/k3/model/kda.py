@@ -40,20 +40,28 @@ def short_conv(x_BTP: torch.Tensor, weight_P1W: torch.Tensor, context_BWP: torch
     `context` holds the W−1 inputs before x (zeros for a fresh sequence). With `document_ids`, a tap never
     reads an input of another document (packed rows, §3.8). Returns (output [B,T,P], the last W−1
     inputs [B,W−1,P] = the context of the next call).
+
+    y_t = Σ_j w_j · x_{t−(W−1)+j}, computed the fastest way measured on CPU (docs/benchmarks.md, "Decode"): one
+    token (decoding) as a product with its window, training (gradients or documents) as W shifted products,
+    a no-grad multi-token call (prefill) by `conv1d`.
     """
     W = weight_P1W.shape[-1]
     if context_BWP is None:
         context_BWP = x_BTP.new_zeros(x_BTP.shape[0], W - 1, x_BTP.shape[2])
     full_BTP = torch.cat([context_BWP.to(x_BTP.dtype), x_BTP], dim=1)
-    x_BPT = fp32(full_BTP).transpose(1, 2)
-    if document_ids_BT is None:
-        y_BPT = F.conv1d(x_BPT, weight_P1W.to(x_BPT.dtype), groups=weight_P1W.shape[0])
-    else:  # y_t = Σ_j w_j · x_{t−(W−1)+j} · [same document as t]
-        T = x_BTP.shape[1]
-        doc_BT = F.pad(document_ids_BT, (W - 1, 0), value=-1)  # the (zero) context belongs to no document
-        y_BPT = sum(weight_P1W[:, 0, j, None].to(x_BPT.dtype) * x_BPT[..., j: j + T]
-                    * (doc_BT[:, j: j + T] == document_ids_BT)[:, None] for j in range(W))
-    return F.silu(y_BPT).transpose(1, 2).to(x_BTP.dtype), full_BTP[:, full_BTP.shape[1] - (W - 1):]
+    x_BTP_fp32 = fp32(full_BTP)
+    w_PW = weight_P1W[:, 0].to(x_BTP_fp32.dtype)
+    T = x_BTP.shape[1]
+    if T == 1 and document_ids_BT is None:
+        y_BTP = (x_BTP_fp32 * w_PW.t()).sum(1, keepdim=True)
+    elif document_ids_BT is not None or torch.is_grad_enabled():
+        doc_BT = None if document_ids_BT is None else F.pad(document_ids_BT, (W - 1, 0), value=-1)  # context: no document
+        y_BTP = sum(w_PW[:, j] * x_BTP_fp32[:, j: j + T] * (1 if doc_BT is None else
+                                                            (doc_BT[:, j: j + T] == document_ids_BT)[..., None])
+                    for j in range(W))
+    else:
+        y_BTP = F.conv1d(x_BTP_fp32.transpose(1, 2), w_PW[:, None], groups=w_PW.shape[0]).transpose(1, 2)
+    return F.silu(y_BTP).to(x_BTP.dtype), full_BTP[:, full_BTP.shape[1] - (W - 1):]
 
 
 class KimiDeltaAttention(KeepFP32):

@@ -12,7 +12,7 @@ ROOT = Path(k3.__file__).parent
 
 # lower layers first; a module may import its own subpackage and anything of a strictly lower layer
 LAYERS = [
-    {"ops", "fileio"},
+    {"ops", "fileio", "runtime"},
     {"config"},
     {"checkpoint", "tokenizer"},
     {"vision"},

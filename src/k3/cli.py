@@ -28,6 +28,7 @@ from k3.fileio import describe_error
 from k3.inference import generate
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 from k3.model.accounting import cache_sizes, count_parameters, forward_flops_per_token
+from k3.runtime import keep_freed_memory
 from k3.tokenizer import K3Tokenizer
 
 _LABELS = {
@@ -432,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-gib", type=_finite(0), default=5.0, help="largest safetensors file (GiB)")
     p.set_defaults(func=cmd_export)
     args = parser.parse_args(argv)
+    keep_freed_memory()  # glibc reuses freed memory instead of faulting it back in (k3.runtime)
     try:
         return args.func(args)
     except BaseException as error:  # noqa: B036 -- KeyboardInterrupt too; anything unexpected is re-raised

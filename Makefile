@@ -42,9 +42,14 @@ info: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# every benchmark in its quick form (a few minutes on 2 cores); run a script without --quick for the full tables
 bench: $(VENV)/.installed
-	$(PY) benchmarks/kda.py
-	$(PY) benchmarks/vision.py
+	$(PY) benchmarks/kda.py --quick
+	$(PY) benchmarks/train.py --quick
+	$(PY) benchmarks/decode.py --quick
+	$(PY) benchmarks/vision.py --quick
+	$(PY) benchmarks/scale_out.py --quick
+	-$(PY) benchmarks/peer_llama_cpp.py --quick  # needs a llama.cpp build (see the script); skipped without one
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -2,7 +2,9 @@
 expert-parallel all-to-all bytes in the latent width against the full width, and `k3 plan` for k3-full on 256 and
 1,024 H200s (docs/architecture.md, "Scale-out").
 
-    python benchmarks/scale_out.py [--preset k3-small] [--batch-size 4] [--seq-len 256] [--steps 3]
+    python benchmarks/scale_out.py [--quick] [--preset k3-small] [--batch-size 4] [--seq-len 256] [--steps 3]
+
+--quick: k3-tiny, 1 and 2 processes (ep 1 and 2), 2 timed steps after 1 warm-up.
 
 The driver runs every layout as its own job: one plain process, or `torchrun --standalone --nproc_per_node N
 benchmarks/scale_out.py --worker ...`. Each worker runs the trainer's own `train_step` (benchmarks/train.py's
@@ -97,6 +99,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800, help="per layout (seconds)")
+    parser.add_argument("--quick", action="store_true", help="k3-tiny on 1 and 2 processes, 2 timed steps")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ep", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -105,11 +108,15 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    layouts = LAYOUTS
+    if args.quick:
+        args.preset, args.steps = "k3-tiny", 2
+        layouts = [(procs, ep) for procs, ep in LAYOUTS if procs <= 2]
     print(machine())
     wait = CpuWait()
     tokens = args.batch_size * args.seq_len
     rows, base = [], None
-    for procs, ep in LAYOUTS:
+    for procs, ep in layouts:
         r = run_layout(args, procs, ep)
         base = base or r["step_s"]
         ratio = f"{r['full_bytes'] / r['latent_bytes']:.2f}×" if r["latent_bytes"] else "–"

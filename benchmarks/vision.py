@@ -17,7 +17,9 @@ For each: median wall time over REPEATS runs after one warm-up, patches per seco
 speed-up. "CPU wait" is the share of wall time in which some task waited for a core (other load: timings are
 inflated).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/vision.py [--threads N] [--repeats R]
+    PYTHONPATH=src .venv/bin/python benchmarks/vision.py [--quick] [--threads N] [--repeats R]
+
+--quick: the demo's encoder only, 2 repeats.
 """
 # Shape suffixes: N packed patches, D width.
 
@@ -62,6 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="the k3-tiny-vl encoder only, 2 repeats")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -69,6 +72,8 @@ def main() -> None:
         "k3-tiny-vl": K3Config.from_preset("k3-tiny-vl").vision_config,
         "width 1024, 2 layers": K3VisionConfig(vt_num_hidden_layers=2),
     }
+    if args.quick:
+        encoders, args.repeats = {"k3-tiny-vl": encoders["k3-tiny-vl"]}, 2
     batch = images(IMAGES)
     pixels_N3PP = torch.cat([p for p, _ in batch])
     grids = torch.tensor([g for _, g in batch])

@@ -1,0 +1,248 @@
+"""Peer benchmark: k3 against llama.cpp's `kimi-k3` model on the CPU, same checkpoint, same thread count.
+
+One k3 model directory (`save_pretrained` layout; default: a random-init k3-small, 226 M parameters, saved to a
+temporary directory with a small BPE trained on docs/) is converted to GGUF by llama.cpp's own
+`convert_hf_to_gguf.py` (cached next to the model as `ggml-model-<type>.gguf`). Its vocabulary step is replaced
+(monkeypatched in a subprocess, the vendored converter is not edited): the converter recognises a tokenizer by
+hashing a test string's ids, which a self-trained tiktoken vocabulary cannot match, so the wrapper writes the
+vocabulary itself the way the converter does for Kimi K2 (gpt2-style byte-level tokens and merges from the
+tiktoken ranks, pre-tokenizer `kimi-k2`, special slots as control tokens, unused ids as `[PAD<id>]`).
+
+Before timing, the last-position logits of a few short prompts (tokenised by llama.cpp, `llama-debug
+--save-logits`) are compared with k3's on the same ids: top-1 agreement and max |Δ| (when llama-debug is built).
+A random-init model's sigmoid router scores lie close together, so a prompt whose 4th and 5th expert scores differ
+by ~1e-6 can route differently in the two implementations (seen with k3-small: 3e-4 otherwise, ~1 then).
+
+At each context depth d (--contexts, tokens already in the cache):
+
+* llama.cpp: `llama-bench -p P -n N -d d -t T -r R -o json` (pp: P tokens in one batch on top of d; tg: N tokens
+  decoded one by one on top of d; its own warm-up run first); the median of its per-repetition tok/s;
+* k3: the cache is filled to d in chunks (decode.py's `Prefill`), then per repetition (one warm-up first, the
+  cache put back each time): P tokens in one call, and N greedy one-token decode steps as `generate` does; the
+  median tok/s. fp32, B=1, no_grad, torch with T threads.
+
+Ratio = k3 / llama.cpp (above 1: k3 faster). "CPU wait" is the share of wall time in which some task waited for a
+core (Linux PSI); well above 0 % means other processes competed and the numbers are inflated.
+
+Reproduce (llama.cpp as vendored by llama-cpp-python 0.3.36; the converter needs transformers 4.57.6,
+pyyaml 6.0.3, huggingface-hub 0.36.0, tokenizers 0.22.1 beside the venv's torch/numpy/safetensors):
+
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36   # the sdist; unpack it in /tmp/llcpp
+    cmake -S /tmp/llcpp/llama_cpp_python-0.3.36/vendor/llama.cpp -B /tmp/llcpp/build -G Ninja \\
+        -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
+    cmake --build /tmp/llcpp/build -j2 --target llama-bench llama-debug
+    pip install --target /tmp/llcpp/pydeps --no-deps transformers==4.57.6 pyyaml==6.0.3 huggingface-hub==0.36.0 \\
+        tokenizers==0.22.1 filelock==3.20.0 packaging==25.0 fsspec==2025.10.0 typing-extensions==4.15.0
+    PYTHONPATH=src .venv/bin/python benchmarks/peer_llama_cpp.py [--llama-cpp BUILD] [--model DIR] [--contexts 512 8192]
+        [--quick] [--outtype f32|f16|q8_0]     # f16/q8_0 run llama-bench with --repack 0
+"""
+
+import argparse
+import base64
+import json
+import math
+import os
+import runpy
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common import CpuWait, machine, print_table
+from decode import Prefill, restore, snapshot
+from k3.config import K3Config
+from k3.inference.generate import sample_next_token
+from k3.model import K3ForCausalLM
+from k3.tokenizer import K3Tokenizer, train_bpe
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_BUILD = os.environ.get("K3_LLAMA_CPP", "/tmp/llcpp/build")
+DEFAULT_PYDEPS = os.environ.get("K3_LLAMA_CPP_PYDEPS", "/tmp/llcpp/pydeps")
+PROMPTS = ("The", "Hello world", "Mixture of experts", "def main():\n    return 42")  # for the logits check
+
+
+# ------------------------------------------------------------------------------------ model and GGUF
+def random_k3_small(path: Path) -> None:
+    """A random-init k3-small with a 1,024-id BPE trained on docs/ (ids above it are unused by the text)."""
+    torch.manual_seed(0)
+    K3ForCausalLM(K3Config.from_preset("k3-small")).save_pretrained(path)
+    texts = [p.read_text(encoding="utf-8") for p in sorted((REPO / "docs").glob("**/*.md"))]
+    train_bpe(texts, 1024, num_special_slots=16).save(path)
+
+
+def convert_in_subprocess(model_dir: str, outfile: str, outtype: str, src: str) -> None:
+    """Run as `peer_llama_cpp.py --convert ...`: llama.cpp's converter with our own vocabulary step."""
+    sys.path[:0] = [src, os.path.join(src, "gguf-py")]
+    import gguf
+    from conversion.kimi_k3 import KimiK3Model
+    from conversion.qwen import QwenModel
+
+    def set_vocab(self):
+        path, n = self.dir_model / "tiktoken.model", self.hparams["vocab_size"]
+        tok = K3Tokenizer.load(self.dir_model) if path.is_file() else None  # none: the 256 bytes only
+        ranks = ({base64.b64decode(t): int(r) for t, r in map(str.split, path.read_text().splitlines())}
+                 if tok else {bytes([b]): b for b in range(256)})
+        tokens, types = [f"[PAD{i}]" for i in range(n)], [gguf.TokenType.UNUSED] * n
+        for token, rank in ranks.items():
+            tokens[rank], types[rank] = QwenModel.token_bytes_to_string(token), gguf.TokenType.NORMAL
+        for name, i in (tok.special_tokens if tok else {}).items():
+            tokens[i], types[i] = name, gguf.TokenType.CONTROL
+        merges = [" ".join(map(QwenModel.token_bytes_to_string, pair)) for token, rank in ranks.items()
+                  if len(token) > 1 and len(pair := QwenModel.bpe(ranks, token, max_rank=rank)) == 2]
+        w = self.gguf_writer
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("kimi-k2")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_add_bos_token(False)  # k3 adds none either
+        for add, token_id in ((w.add_bos_token_id, tok and tok.bos_token_id),
+                              (w.add_eos_token_id, tok and tok.eos_token_id)):
+            if token_id is not None:
+                add(token_id)
+
+    def set_gguf_parameters(self, base=KimiK3Model.set_gguf_parameters):
+        # llama.cpp requires a context length; k3 presets omit the release's informational 1M (architecture.md §1.1)
+        self.hparams.setdefault("max_position_embeddings", 1048576)
+        base(self)
+
+    KimiK3Model.set_vocab, KimiK3Model.set_gguf_parameters = set_vocab, set_gguf_parameters
+    sys.argv = ["convert_hf_to_gguf.py", model_dir, "--outfile", outfile, "--outtype", outtype]
+    runpy.run_path(os.path.join(src, "convert_hf_to_gguf.py"), run_name="__main__")
+
+
+def gguf_for(model_dir: Path, outtype: str, src: str, pydeps: str) -> Path:
+    """The model as GGUF, converted unless an up-to-date one sits in the model directory."""
+    out = model_dir / f"ggml-model-{outtype}.gguf"
+    newest_input = max(p.stat().st_mtime for p in model_dir.iterdir() if p.suffix in (".json", ".safetensors", ".model"))
+    if out.is_file() and out.stat().st_mtime > newest_input:
+        return out
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pydeps, str(REPO / "src"), str(REPO / "benchmarks")]))
+    print(f"Converting {model_dir} to {out.name} ...", flush=True)
+    run = subprocess.run([sys.executable, __file__, "--convert", str(model_dir), str(out), outtype, src], env=env,
+                         capture_output=True, text=True)
+    if run.returncode:
+        sys.exit(f"conversion failed:\n{run.stderr[-3000:]}")
+    return out
+
+
+# --------------------------------------------------------------------------------------- measurements
+@torch.no_grad()
+def check_logits(model, gguf: Path, bin_dir: Path, threads: int) -> str:
+    """Last-position logits of PROMPTS, llama.cpp (llama-debug) against k3 on llama.cpp's token ids."""
+    agree, diffs, scale = 0, [], 0.0
+    with tempfile.TemporaryDirectory() as out:
+        for prompt in PROMPTS:
+            subprocess.run([bin_dir / "llama-debug", "-m", gguf, "-p", prompt, "--save-logits", "--logits-output-dir",
+                            out, "-t", str(threads), "-c", "256"], check=True, capture_output=True)
+            theirs = torch.from_numpy(np.fromfile(f"{out}/llamacpp-{gguf.stem}.bin", np.float32))
+            ids = torch.from_numpy(np.fromfile(f"{out}/llamacpp-{gguf.stem}-tokens.bin", np.int32)).long()
+            ours = model(ids[None]).logits[0, -1].float()
+            agree += int(ours.argmax() == theirs.argmax())
+            diffs.append(f"{(ours - theirs).abs().max().item():.1e}")
+            scale = max(scale, ours.abs().max().item())
+    return (f"Logits, llama.cpp vs k3 (last position of {len(PROMPTS)} prompts tokenised by llama.cpp): top-1 agrees "
+            f"{agree}/{len(PROMPTS)}, max |Δ| per prompt {', '.join(diffs)} (max |logit| {scale:.2f}; a random-init "
+            "router can have near-tied experts, and one flipped choice shows as a Δ near the logit scale)")
+
+
+def llama_bench(bin_dir: Path, gguf: Path, contexts, n_prompt, n_gen, reps, threads, outtype) -> dict:
+    """{(depth, "pp" | "tg"): median tok/s} from one llama-bench run."""
+    cmd = [bin_dir / "llama-bench", "-m", gguf, "-p", str(n_prompt), "-n", str(n_gen), "-d", ",".join(map(str, contexts)),
+           "-t", str(threads), "-r", str(reps), "-o", "json"] + (["--repack", "0"] if outtype != "f32" else [])
+    print("Running " + " ".join(map(str, cmd)), flush=True)
+    results = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    return {(r["n_depth"], "pp" if r["n_prompt"] else "tg"): statistics.median(r["samples_ts"]) for r in results}
+
+
+@torch.no_grad()
+def k3_speeds(model, depth, n_prompt, n_gen, reps):
+    """(prefill, decode) median tok/s of k3 on top of `depth` cached tokens."""
+    ids_BT = torch.randint(0, model.config.vocab_size, (1, depth + n_prompt), generator=torch.Generator().manual_seed(0))
+    cache = model.make_cache(1, capacity=depth + max(n_prompt, n_gen))
+    Prefill(model, cache, ids_BT, budget_s=math.inf).to(depth)
+    start, pp, tg = snapshot(cache), [], []
+    for _ in range(reps + 1):  # the first repetition is a warm-up
+        restore(cache, start)
+        t0 = time.perf_counter()
+        model(ids_BT[:, depth:], cache=cache)
+        pp.append(n_prompt / (time.perf_counter() - t0))
+        restore(cache, start)
+        next_B, t0 = ids_BT[:, depth], time.perf_counter()
+        for _ in range(n_gen):
+            next_B = sample_next_token(model(next_B[:, None], cache=cache, validate=False).logits[:, -1], 0)
+        tg.append(n_gen / (time.perf_counter() - t0))
+    return statistics.median(pp[1:]), statistics.median(tg[1:])
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-cpp", default=DEFAULT_BUILD, help=f"llama.cpp build dir (default {DEFAULT_BUILD}, "
+                        "or $K3_LLAMA_CPP)")
+    parser.add_argument("--pydeps", default=DEFAULT_PYDEPS, help="the converter's extra Python packages "
+                        f"(default {DEFAULT_PYDEPS}, or $K3_LLAMA_CPP_PYDEPS)")
+    parser.add_argument("--model", type=Path, help="a k3 model directory (default: random-init k3-small)")
+    parser.add_argument("--contexts", type=int, nargs="+", help="context depths (default 512 8192; --quick 512)")
+    parser.add_argument("--outtype", default="f32", choices=("f32", "f16", "q8_0"), help="GGUF type for llama.cpp")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="pp 64, tg 8, 1 repetition: checks the pipeline")
+    args = parser.parse_args()
+    contexts = args.contexts or ([512] if args.quick else [512, 8192])
+    n_prompt, n_gen, reps = (64, 8, 1) if args.quick else (512, 64, 3)
+
+    build = Path(args.llama_cpp)
+    bin_dir, cmake_cache = build / "bin", build / "CMakeCache.txt"
+    if not (bin_dir / "llama-bench").is_file() or not cmake_cache.is_file():
+        sys.exit(f"no llama.cpp build at {build}: build it as in this script's docstring (cmake -S <llama.cpp> "
+                 f"-B {build} -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF "
+                 f"-DLLAMA_BUILD_TESTS=OFF; cmake --build {build} -j2 --target llama-bench llama-debug)")
+    src = next(line.split("=", 1)[1].strip() for line in cmake_cache.read_text().splitlines()
+               if line.startswith("CMAKE_HOME_DIRECTORY:"))
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            model_dir = Path(tmp) / "k3-small-random"
+            print("Building a random-init k3-small ...", flush=True)
+            random_k3_small(model_dir)
+        gguf = gguf_for(model_dir, args.outtype, src, args.pydeps)
+        model = K3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        n_params = sum(p.numel() for p in model.parameters()) / 1e6
+        check = (check_logits(model, gguf, bin_dir, args.threads) if (bin_dir / "llama-debug").is_file()
+                 else "Logits check skipped: llama-debug is not built")
+        print(check, flush=True)
+
+        start, cpu_wait = time.perf_counter(), CpuWait()
+        theirs = llama_bench(bin_dir, gguf, contexts, n_prompt, n_gen, reps, args.threads, args.outtype)
+        rows = []
+        for depth in contexts:
+            row_wait = CpuWait()
+            pp, tg = k3_speeds(model, depth, n_prompt, n_gen, reps)
+            rows.append([depth, f"{pp:,.1f}", f"{theirs[depth, 'pp']:,.1f}", f"{pp / theirs[depth, 'pp']:.2f}",
+                         f"{tg:,.2f}", f"{theirs[depth, 'tg']:,.2f}", f"{tg / theirs[depth, 'tg']:.2f}", str(row_wait)])
+            print(f"  k3 @ {depth}: done", flush=True)
+
+    print(f"\nMachine: {machine()}")
+    print(f"Model: {model_dir} ({n_params:.1f} M parameters); llama.cpp {src}, GGUF {args.outtype}; {args.threads} "
+          f"threads each; pp = {n_prompt} tokens in one batch, tg = {n_gen} decoded tokens, on top of the context; "
+          f"median of {reps} repetitions after a warm-up; ratio = k3 / llama.cpp")
+    print(check + "\n")
+    print_table(["context", "k3 prefill tok/s", "llama.cpp prefill tok/s", "ratio", "k3 decode tok/s",
+                 "llama.cpp decode tok/s", "ratio", "CPU wait (k3)"], rows, "rrrrrrrr")
+    print(f"Total runtime: {time.perf_counter() - start:.0f} s; load average at end: "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; CPU wait over the run: {cpu_wait} (PSI; "
+          f"well above 0 % means other processes competed for the cores)")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--convert"]:
+        convert_in_subprocess(*sys.argv[2:6])
+    else:
+        main()

@@ -241,8 +241,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
     if distributed is not None and not distributed.is_main:
         return 0
-    reference = "" if summary["reference_loss"] is None else \
-        f" (unigram entropy of the corpus: {summary['reference_loss']:.3f})"
+    baselines = ", ".join(f"{label} {value:.3f}" for label, value in summary["reference_losses"].items())
+    reference = f" (baselines: {baselines})" if baselines else ""
     print(f"validation loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} nats/token"
           f"{reference} after {summary['step']} steps")
     if summary["caption_accuracy"] is not None:

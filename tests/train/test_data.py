@@ -14,6 +14,7 @@ import subprocess
 import tarfile
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from k3.train import data as D
 from k3.train.data import (
     Batches,
     Document,
+    bigram_cross_entropy,
     PackedDataset,
     encode_documents,
     get_tokenizer,
@@ -350,6 +352,33 @@ def test_unigram_entropy():
     assert unigram_entropy([[3] * 10]) == 0
     with pytest.raises(ValueError):
         unigram_entropy([[]])
+
+
+def test_bigram_cross_entropy_by_hand():
+    """Witten–Bell bigram: after 0 the training text has 1 (×2) and 2 (×1), two distinct followers, so
+    λ_0 = 3/5; p(1 | 0) = 3/5 · 2/3 + 2/5 · p(1), with the add-one unigram p(1) = (2 + 1)/(7 + 4)."""
+    V, train = 4, [[0, 1, 0, 1], [0, 2, 3]]
+    p_uni = lambda t: ([3, 2, 1, 1][t] + 1) / (7 + V)  # token counts 0:3, 1:2, 2:1, 3:1
+    p_1_after_0 = 3 / 5 * 2 / 3 + 2 / 5 * p_uni(1)
+    p_3_after_1 = 1 / 2 * 0 + 1 / 2 * p_uni(3)  # 1 is followed once (by 0): λ_1 = 1/2, c(1, 3) = 0
+    expected = -(math.log(p_1_after_0) + math.log(p_3_after_1)) / 2
+    assert bigram_cross_entropy(train, [[0, 1, 3], [2]], V) == pytest.approx(expected, rel=1e-12)
+    # an unseen context backs off to the unigram entirely; a one-token document predicts nothing
+    assert bigram_cross_entropy(train, [[3, 0]], V) == pytest.approx(-math.log(p_uni(0)))
+    with pytest.raises(ValueError):
+        bigram_cross_entropy(train, [[1]], V)
+
+
+def test_bigram_is_a_distribution_and_beats_the_unigram_on_structured_text():
+    """Each row of the model sums to 1 over the vocabulary; on text with strong pair structure it is far below
+    the unigram entropy."""
+    g = np.random.default_rng(0)
+    V = 12
+    docs = [list(np.repeat(g.integers(0, V // 2, 200) * 2, 2) + np.tile([0, 1], 200)) for _ in range(5)]
+    for a in range(V):  # Σ_b p(b | a) = 1: the loss of a one-pair document is −log p(b | a)
+        total = sum(math.exp(-bigram_cross_entropy(docs[:4], [[a, b]], V)) for b in range(V))
+        assert total == pytest.approx(1.0, rel=1e-9)
+    assert bigram_cross_entropy(docs[:4], docs[4:], V) < unigram_entropy(docs[4:]) - 0.5
 
 
 def test_prepare_data(tmp_path):

@@ -70,6 +70,7 @@ __all__ = [
     "shakespeare_documents",
     "split_documents",
     "unigram_entropy",
+    "bigram_cross_entropy",
     "validation_batches",
 ]
 
@@ -475,6 +476,36 @@ def unigram_entropy(token_docs: Sequence[Sequence[int]]) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+def bigram_cross_entropy(train_docs: Sequence[Sequence[int]], val_docs: Sequence[Sequence[int]],
+                         vocab_size: int) -> float:
+    """Held-out loss, in nats per predicted token, of a smoothed count-based bigram model fitted on `train_docs`:
+    the baseline a language model must beat to show it uses more than the previous token.
+
+    Witten–Bell interpolation with an add-one unigram: p(b | a) = λ_a·c(a, b)/c(a) + (1 − λ_a)·p(b),
+    λ_a = c(a)/(c(a) + n(a)), n(a) the number of distinct tokens seen after a (λ_a = 0 for an unseen a);
+    p(b) = (c(b) + 1)/(N + V). Scored on every pair of consecutive tokens inside a validation document.
+    """
+    def pairs(docs):
+        return np.concatenate([np.asarray(d[:-1], np.int64) * vocab_size + np.asarray(d[1:], np.int64)
+                               for d in docs if len(d) > 1] or [np.zeros(0, np.int64)])
+
+    train_AB, val_AB = pairs(train_docs), pairs(val_docs)
+    if val_AB.size == 0:
+        raise ValueError("no validation token has a predecessor in its document")
+    tokens = np.concatenate([np.asarray(d, np.int64) for d in train_docs])
+    p_unigram = (np.bincount(tokens, minlength=vocab_size) + 1.0) / (tokens.size + vocab_size)
+    pair_ids, pair_counts = np.unique(train_AB, return_counts=True)
+    after_A = np.bincount(pair_ids // vocab_size, weights=pair_counts, minlength=vocab_size)  # c(a) as a context
+    distinct_A = np.bincount(pair_ids // vocab_size, minlength=vocab_size)  # n(a)
+    prev, nxt = val_AB // vocab_size, val_AB % vocab_size
+    where = np.searchsorted(pair_ids, val_AB).clip(max=max(pair_ids.size - 1, 0))
+    c_ab = np.where(pair_ids[where] == val_AB, pair_counts[where], 0) if pair_ids.size else np.zeros(val_AB.size)
+    c_a, n_a = after_A[prev], distinct_A[prev]
+    lam = np.divide(c_a, c_a + n_a, out=np.zeros_like(c_a), where=c_a > 0)
+    p = lam * np.divide(c_ab, c_a, out=np.zeros_like(c_a), where=c_a > 0) + (1 - lam) * p_unigram[nxt]
+    return float(-np.log(p).mean())
+
+
 # ------------------------------------------------------------------------------------------------ all of it
 
 
@@ -490,6 +521,8 @@ class PreparedData:
     val_tokens: int
     unigram_entropy: float
     """Of the training tokens, nats per token: the loss a context-free model would reach."""
+    bigram_loss: float | None
+    """`bigram_cross_entropy` of the split: the held-out loss of a smoothed bigram model (None: no validation pair)."""
 
 
 def prepare_data(data_path: str | os.PathLike | None, vocab_size: int, seq_len: int, *,
@@ -517,4 +550,6 @@ def prepare_data(data_path: str | os.PathLike | None, vocab_size: int, seq_len: 
         train_tokens=sum(map(len, train_docs)),
         val_tokens=sum(map(len, val_docs)),
         unigram_entropy=unigram_entropy(train_docs),
+        bigram_loss=bigram_cross_entropy(train_docs, val_docs, tokenizer.vocab_size)
+        if any(len(d) > 1 for d in val_docs) else None,
     )

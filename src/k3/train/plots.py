@@ -17,8 +17,9 @@ from k3.fileio import atomic_path  # noqa: E402
 from k3.model.attn_res import attn_res_weights  # noqa: E402
 
 
-def plot_losses(history: list[dict], path: str | os.PathLike, reference: float | None = None) -> None:
-    """Train loss per step and validation loss at its evaluations; `reference` e.g. the unigram entropy."""
+def plot_losses(history: list[dict], path: str | os.PathLike, references: dict[str, float] | None = None) -> None:
+    """Train loss per step and validation loss at its evaluations; `references` baseline losses by label (e.g. the
+    unigram entropy and a bigram model's held-out loss), drawn as horizontal lines."""
     fig, ax = plt.subplots(figsize=(7, 4))
     train = [(m["step"], m["loss"]) for m in history if "loss" in m]
     val = [(m["step"], m["val_loss"]) for m in history if "val_loss" in m]
@@ -26,8 +27,8 @@ def plot_losses(history: list[dict], path: str | os.PathLike, reference: float |
         ax.plot(*zip(*train), lw=1, label="train")
     if val:
         ax.plot(*zip(*val), "o-", label="validation")
-    if reference is not None:
-        ax.axhline(reference, ls="--", c="gray", label="unigram entropy")
+    for (label, value), style in zip((references or {}).items(), ("--", ":", "-.")):
+        ax.axhline(value, ls=style, c="gray", label=label)
     ax.set(xlabel="step", ylabel="loss (nats/token)", title="K3 training loss")
     ax.legend(loc="upper center")
     accuracy = [(m["step"], 100 * m["caption_accuracy"]) for m in history if "caption_accuracy" in m]

@@ -51,7 +51,10 @@ class TextTask:
         self.batches = Batches(self.data.train, batch_size, seed=seed)
         self.source = "the default corpus" if data is None else repr(data)
         self.corpus_sha256 = corpus_fingerprint([d.text for d in self.data.documents])
-        self.reference = self.data.unigram_entropy  # the loss of a context-free model (nats/token)
+        # baselines (nats/token): a context-free model, and a smoothed bigram model on the held-out works
+        self.references = {"unigram entropy": self.data.unigram_entropy}
+        if self.data.bigram_loss is not None:
+            self.references["smoothed bigram (held out)"] = self.data.bigram_loss
 
     @classmethod
     def from_args(cls, config: K3Config, args) -> TextTask:
@@ -129,7 +132,7 @@ class ShapesTask:
                              f"the config's media_placeholder_token_id is {config.media_placeholder_token_id}")
         self.processor = K3Processor(self.tokenizer)
         self.prompt_ids = self.tokenizer.encode(PROMPT)
-        self.reference = None
+        self.references = {}
         self.chance = 1 / len(all_captions())  # uniform guessing over the distinct captions
         self._held_out = [self._example(HELD_OUT_STREAM, i) for i in range(eval_images)]
 

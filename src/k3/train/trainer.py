@@ -441,7 +441,7 @@ class Trainer:
         return plots.attn_res_mixing(self.model, probe, lambda: gathered(self.model))
 
     def plot(self, mixing: tuple[torch.Tensor, list[str]] | None = None) -> None:
-        plots.plot_losses(self.history, self.out / "loss.png", reference=self.task.reference)
+        plots.plot_losses(self.history, self.out / "loss.png", references=self.task.references)
         if hasattr(self, "last_load_XE"):
             load_XE = self.last_load_XE / self.last_load_XE.mean(dim=1, keepdim=True)
             plots.plot_expert_load(load_XE.cpu(), self.out / "expert_load.png")
@@ -547,7 +547,7 @@ class Trainer:
         last_eval = next(m for m in reversed(self.history) if "val_loss" in m)
         return {"task": self.task.name, "step": self.step, "total_steps": self.total_steps, "finished": finished,
                 "stopped_by": stopped_by, "initial_val_loss": initial_val, "final_val_loss": last_eval["val_loss"],
-                "reference_loss": self.task.reference, "caption_accuracy": last_eval.get("caption_accuracy"),
+                "reference_losses": self.task.references, "caption_accuracy": last_eval.get("caption_accuracy"),
                 "eval_images": self.args.eval_images, "chance_accuracy": getattr(self.task, "chance", None),
                 "resumes": self.resumes, "model_dir": str(self.export()) if finished else None,
                 "checkpoint": str(latest_checkpoint(self.out))}

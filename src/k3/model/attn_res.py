@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3.ops.norm import RMSNorm, rms_normalize
+from k3.ops.norm import RMSNorm
 from k3.ops.precision import fp32
 
 
@@ -20,15 +20,17 @@ def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) ->
     values are the raw sources, no temperature; one softmax over all sources; fp32 throughout, result cast to
     the sources' dtype. Each source is [B, T, D]; the mix is per token.
     """
-    V_SBTD = fp32(torch.stack(sources))
-    return torch.einsum("sbt,sbtd->btd", _weights(V_SBTD, norm, proj), V_SBTD).to(sources[0].dtype)
+    p_SBT = attn_res_weights(sources, norm, proj)
+    mix_BTD = sum(p_BT[..., None] * fp32(V_BTD) for p_BT, V_BTD in zip(p_SBT, sources))
+    return mix_BTD.to(sources[0].dtype)
 
 
 def attn_res_weights(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
-    """The mixing weights p [S, B, T] of `attn_res_mix` over its sources (for inspection and plots)."""
-    return _weights(fp32(torch.stack(sources)), norm, proj)
+    """The mixing weights p [S, B, T] of `attn_res_mix` over its sources (also for inspection and plots).
 
-
-def _weights(V_SBTD: torch.Tensor, norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
-    query_D = (norm.weight * proj.weight[0]).to(V_SBTD.dtype)  # γ ⊙ w
-    return torch.softmax(rms_normalize(V_SBTD, norm.eps) @ query_D, dim=0)
+    key(V)·q = (V·q) / sqrt(mean(V²)+ε), one source at a time: no normalised (or stacked) copy of the sources.
+    """
+    query_D = (norm.weight * proj.weight[0]).to(fp32(sources[0]).dtype)  # γ ⊙ w
+    logits_SBT = torch.stack([(fp32(V_BTD) @ query_D) * torch.rsqrt(fp32(V_BTD).pow(2).mean(-1) + norm.eps)
+                              for V_BTD in sources])
+    return torch.softmax(logits_SBT, dim=0)

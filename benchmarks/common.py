@@ -9,7 +9,15 @@ import torch
 
 from k3.runtime import keep_freed_memory
 
-keep_freed_memory()  # what the `k3` command does at start: measure the product as users run it
+KEEPS_FREED_MEMORY = keep_freed_memory()  # what the `k3` command does at start: measure the product as users run it
+
+
+def allocator() -> str:
+    """The allocator settings in effect, for the header of a benchmark's output."""
+    env = " ".join(f"{name}={value}" for name, value in os.environ.items() if name.startswith("MALLOC_"))
+    setting = ("freed memory kept for reuse (k3.runtime.keep_freed_memory, as the k3 command does)"
+               if KEEPS_FREED_MEMORY else "default settings")
+    return f"glibc malloc, {setting}" + (f"; environment {env}" if env else "")
 
 
 def machine() -> str:

@@ -35,7 +35,7 @@ from k3.config import K3Config
 from k3.model.cache import K3Cache, KDACache
 from k3.model.accounting import cache_sizes
 from k3.model.k3 import K3ForCausalLM
-from common import CpuWait, machine, print_table
+from common import CpuWait, allocator, machine, print_table
 
 PRESETS = ("k3-tiny", "k3-small")
 CONTEXTS = (1024, 8192, 32768, 65536)
@@ -255,9 +255,8 @@ def main():
     contexts = QUICK_CONTEXTS if args.quick else CONTEXTS
 
     start, cpu_wait = time.perf_counter(), CpuWait()
-    malloc_env = " ".join(f"{name}={value}" for name, value in os.environ.items() if name.startswith("MALLOC_"))
     print(f"Machine: {machine()}")
-    print(f"Allocator: glibc malloc, {malloc_env or 'default settings'}; load average at start: "
+    print(f"Allocator: {allocator()}; load average at start: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"B=1, fp32, no_grad, random init; prefill chunks of {PREFILL_CHUNK}; median of {DECODE_STEPS} decode "
           f"steps after 1 warm-up step\n", flush=True)

@@ -11,16 +11,15 @@ share (PSI) of the whole run says whether other processes competed for the cores
 
     PYTHONPATH=src .venv/bin/python benchmarks/kda.py [--quick] [--lengths T ...]
 
-glibc returns large freed blocks to the OS, so every big temporary is page-faulted in again; on small VMs that
-can be half of the chunk path's time. `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1000000000000` in the
-environment makes it reuse memory instead; the header line reports which allocator settings were in effect.
+By default glibc returns large freed blocks to the OS, so every big temporary is page-faulted in again; on small
+VMs that can be half of the chunk path's time. Like the `k3` command, the benchmarks switch that off at start
+(`k3.runtime.keep_freed_memory`); the header line reports the allocator settings in effect.
 """
 # Shape suffixes: B batch, T time, H heads, K key dim, V value dim.
 
 import argparse
 import concurrent.futures
 import multiprocessing
-import os
 import resource
 import statistics
 import time
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.kda import chunk_kda, recurrent_kda
-from common import CpuWait, machine
+from common import CpuWait, allocator, machine
 from train import matmul_peak_gflops
 
 B, H, K, V = 1, 4, 128, 128
@@ -90,10 +89,9 @@ def main():
     args = parser.parse_args()
     lengths = args.lengths or ([1024, 4096] if args.quick else [1024, 4096, 16384])
 
-    malloc_env = " ".join(f"{name}={value}" for name, value in os.environ.items() if name.startswith("MALLOC_"))
     cpu_wait, peak_gflops = CpuWait(), matmul_peak_gflops()
     print(f"Machine: {machine()}")
-    print(f"Allocator: glibc malloc, {malloc_env or 'default settings'}")
+    print(f"Allocator: {allocator()}")
     print(f"fp32 matmul peak (2048³ torch.mm): {peak_gflops:.1f} GFLOP/s")
     print(f"B={B}, H={H}, K=V={K}, fp32, median ms per call; peak RSS of the measuring process; chunk GFLOP = "
           f"H·(6K² + 3CK + C²)·T (×3 with backward), C={C}\n")

@@ -67,7 +67,7 @@ from k3.parallel.fsdp import parallelize
 from k3.train.balance import QuantileBalancer
 from k3.train.tasks import TextTask
 from k3.train.trainer import TrainArgs, Trainer
-from common import CpuWait, machine, print_table
+from common import CpuWait, allocator, machine, print_table
 
 PRESETS = {"k3-tiny": (8, 256), "k3-small": (4, 256)}  # preset: (batch, sequence length)
 STEPS = {"k3-tiny": (2, 6, 3), "k3-small": (1, 5, 3)}  # preset: (warm-up, timed, profiled) steps
@@ -408,10 +408,9 @@ def main():
         torch.set_num_threads(args.threads)
 
     start, wait = time.perf_counter(), CpuWait()
-    malloc_env = " ".join(f"{name}={value}" for name, value in os.environ.items() if name.startswith("MALLOC_"))
     print(f"Machine: {machine()}")
     idle = idle_percent()
-    print(f"Allocator: glibc malloc, {malloc_env or 'default settings'}; load average at start: {load()}; CPU idle "
+    print(f"Allocator: {allocator()}; load average at start: {load()}; CPU idle "
           f"over the 2 s before the start: {'n/a' if idle is None else f'{idle:.0f} %'} (other processes distort "
           f"everything: with 2 threads on 2 busy cores PyTorch's threads wait on each other)")
     print("fp32, random init, synthetic tokens (2–3 packed documents per row); Trainer.train_step with Muon "

@@ -402,8 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     budget.add_argument("--steps", type=int, help="optimiser steps (the schedule's length; one of --steps and "
                                                   "--minutes is needed, except with --resume, where a larger "
                                                   "--steps extends the run)")
-    budget.add_argument("--minutes", type=float, help="wall-clock budget; the schedule is sized from the first "
-                                                      "steps (with --resume: a budget for this invocation)")
+    budget.add_argument("--minutes", type=float, help="wall-clock budget; the schedule's length is fitted to "
+                                                      "the measured pace as the run goes (with --resume: a budget "
+                                                      "for this invocation)")
     p.add_argument("--out", default="runs/k3-tiny", help="run directory (checkpoints, metrics, plots, model)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest loadable checkpoint, with its own options "
@@ -411,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--[no-]activation-checkpointing may change)")
     p.add_argument("--stop-after", type=int, help="checkpoint and stop after this step (resume later)")
     for name, kind in (("seq_len", int), ("batch_size", int), ("grad_accum", int), ("lr", float),
-                       ("schedule", str), ("balancer", str), ("eval_every", int), ("checkpoint_every", int),
+                       ("warmup_frac", float), ("min_lr_ratio", float), ("schedule", str), ("balancer", str), ("eval_every", int), ("checkpoint_every", int),
                        ("eval_images", int), ("seed", int)):
         p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
     p.add_argument("--override", action="append", metavar="FIELD=VALUE",

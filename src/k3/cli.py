@@ -412,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--[no-]activation-checkpointing may change)")
     p.add_argument("--stop-after", type=int, help="checkpoint and stop after this step (resume later)")
     for name, kind in (("seq_len", int), ("batch_size", int), ("grad_accum", int), ("lr", float),
-                       ("warmup_frac", float), ("min_lr_ratio", float), ("schedule", str), ("balancer", str), ("eval_every", int), ("checkpoint_every", int),
+                       ("warmup_frac", float), ("min_lr_ratio", float), ("schedule", str), ("balancer", str),
+                       ("eval_every", int), ("checkpoint_every", int),
                        ("eval_images", int), ("seed", int)):
         p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
     p.add_argument("--override", action="append", metavar="FIELD=VALUE",

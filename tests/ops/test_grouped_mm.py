@@ -10,7 +10,8 @@ def operands(counts, m=24, n=40, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     counts = torch.tensor(counts)
     x = torch.randn(int(counts.sum()), m, generator=g, dtype=dtype, requires_grad=True)
-    w = torch.randn(len(counts), n, m, generator=g, dtype=dtype).transpose(-1, -2).requires_grad_()  # a view, as in the model
+    # a transposed view, as the model passes it
+    w = torch.randn(len(counts), n, m, generator=g, dtype=dtype).transpose(-1, -2).requires_grad_()
     return x, w, counts
 
 

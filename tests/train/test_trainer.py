@@ -148,7 +148,8 @@ def test_minutes_schedule_follows_the_measured_pace(corpus, tmp_path, monkeypatc
 
     t = trainer_module.Trainer.__new__(trainer_module.Trainer)
     t.args, t.dist, t.step = _args(corpus, tmp_path, steps=None, minutes=1.0).for_new_run(), None, 4
-    t.history = [{"step": 0, "val_loss": 8.0}] + [{"step": i + 1, "seconds": s} for i, s in enumerate([9.0, 1.0, 1.0, 1.0])]
+    t.history = [{"step": 0, "val_loss": 8.0}] + [{"step": i + 1, "seconds": s}
+                                                  for i, s in enumerate([9.0, 1.0, 1.0, 1.0])]
     monkeypatch.setattr(trainer_module.time, "monotonic", lambda: 1000.0)
     t._fit_schedule(deadline=1000.0 + 100.0, eval_seconds=1.0)  # pace 1 s + an evaluation (1 s) every 2 steps
     assert t.total_steps == 4 + int(95 / 1.5)

@@ -55,7 +55,8 @@ def short_conv(x_BTP: torch.Tensor, weight_P1W: torch.Tensor, context_BWP: torch
     if T == 1 and document_ids_BT is None:
         y_BTP = (x_BTP_fp32 * w_PW.t()).sum(1, keepdim=True)
     elif document_ids_BT is not None or torch.is_grad_enabled():
-        doc_BT = None if document_ids_BT is None else F.pad(document_ids_BT, (W - 1, 0), value=-1)  # context: no document
+        # the (zero) context belongs to no document
+        doc_BT = None if document_ids_BT is None else F.pad(document_ids_BT, (W - 1, 0), value=-1)
         y_BTP = sum(w_PW[:, j] * x_BTP_fp32[:, j: j + T] * (1 if doc_BT is None else
                                                             (doc_BT[:, j: j + T] == document_ids_BT)[..., None])
                     for j in range(W))

@@ -20,17 +20,19 @@ def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) ->
     values are the raw sources, no temperature; one softmax over all sources; fp32 throughout, result cast to
     the sources' dtype. Each source is [B, T, D]; the mix is per token.
     """
-    p_SBT = attn_res_weights(sources, norm, proj)
-    mix_BTD = sum(p_BT[..., None] * fp32(V_BTD) for p_BT, V_BTD in zip(p_SBT, sources))
+    V_SBTD = [fp32(V_BTD) for V_BTD in sources]  # a list: the sources are never stacked into one copy
+    mix_BTD = sum(p_BT[..., None] * V_BTD for p_BT, V_BTD in zip(_weights(V_SBTD, norm, proj), V_SBTD))
     return mix_BTD.to(sources[0].dtype)
 
 
 def attn_res_weights(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
-    """The mixing weights p [S, B, T] of `attn_res_mix` over its sources (also for inspection and plots).
+    """The mixing weights p [S, B, T] of `attn_res_mix` over its sources (for inspection and plots)."""
+    return _weights([fp32(V_BTD) for V_BTD in sources], norm, proj)
 
-    key(V)·q = (V·q) / sqrt(mean(V²)+ε), one source at a time: no normalised (or stacked) copy of the sources.
-    """
-    query_D = (norm.weight * proj.weight[0]).to(fp32(sources[0]).dtype)  # γ ⊙ w
-    logits_SBT = torch.stack([(fp32(V_BTD) @ query_D) * torch.rsqrt(fp32(V_BTD).pow(2).mean(-1) + norm.eps)
-                              for V_BTD in sources])
+
+def _weights(V_SBTD: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
+    """softmax over the fp32 sources of key(V)·q = (V·q) / sqrt(mean(V²)+ε), one source at a time: no normalised
+    (or stacked) copy of the sources."""
+    query_D = (norm.weight * proj.weight[0]).to(V_SBTD[0].dtype)  # γ ⊙ w
+    logits_SBT = torch.stack([(V_BTD @ query_D) * torch.rsqrt(V_BTD.pow(2).mean(-1) + norm.eps) for V_BTD in V_SBTD])
     return torch.softmax(logits_SBT, dim=0)

@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: demo demo-vision info test bench clean
+.PHONY: demo demo-vision info diagram test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ demo-vision: $(VENV)/.installed
 
 info: $(VENV)/.installed
 	$(VENV)/bin/k3 info k3-full
+
+# the README's picture of the full model (k3 diagram: drawn from the config and the parameter accounting)
+diagram: $(VENV)/.installed
+	$(VENV)/bin/k3 diagram k3-full -o docs/k3-full.png
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -46,10 +46,29 @@ def test_info_text_report(capsys):
     out = capsys.readouterr().out
     assert "2,779,484,476,000" in out and "104,189,612,640" in out
     assert "2.78 T" in out and "104.19 B" in out
-    assert "K2" in out and "1.04 T" in out and "32.6 B" in out and "18432" in out and "33792" in out
+    assert "K2" in out and "18432" in out and "33792" in out and "MLA with RoPE in all 61 layers" in out
+    assert "launch figures (2.78 T total, 104.20 B activated)" in out
     assert "69 KDA" in out and "24 gated NoPE MLA" in out
     assert "13,824" in out
     assert "MoonViT-V2 vision tower" in out and "401,214,464" in out and "46,144,512" in out
+
+
+def test_info_kimi_k2_gives_k2_totals_beside_the_launch_figures(capsys):
+    """`k3 info kimi-k2 --json`: K2's exact totals beside the quoted 1.04 T / 32.6 B and other conventions (§14.1)."""
+    r = run_json(capsys, "kimi-k2")
+    assert (r["layers"], r["kda_layers"], r["mla_layers"]) == (61, 0, 61)
+    assert (r["total_params"], r["activated_params"]) == (1_026_408_232_448, 31_687_095_808)
+    p = r["published"]
+    assert (p["quoted_total"], p["quoted_activated"]) == (1.04e12, 32.6e9)
+    assert p["activated_with_embedding"] == 31_687_095_808 + 163_840 * 7168
+    assert p["total_with_mtp"] == 1_043_570_379_648 and round(p["total_with_mtp"] / 1e10) == 104  # "1.04 T"
+    assert r["mla_cache_numbers_per_token"] == 35_136 and r["kda_state_bytes_per_sequence_fp32"] == 0
+    assert main(["info", "kimi-k2"]) == 0
+    out = capsys.readouterr().out
+    assert "61 MLA with RoPE (MLA in every layer)" in out and "plain pre-norm residual stream" in out
+    assert "full-width MoE: 384 experts top-8 (width 2048) + 1 shared, SwiGLU" in out
+    assert "launch figures (1.04 T total, 32.60 B activated)" in out and "plus one MTP layer" in out
+    assert "KDA recurrent state" not in out and "Kimi K2 comparison" not in out
 
 
 @pytest.mark.parametrize("name", ["k3-huge", "no/such/dir"])

@@ -17,7 +17,7 @@ LAYERS = [
     {"checkpoint", "tokenizer"},
     {"vision"},
     {"model"},
-    {"inference", "optim"},
+    {"inference", "optim", "diagram"},
     {"parallel"},
     {"train"},
     {"cli"},

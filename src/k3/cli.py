@@ -1,6 +1,7 @@
 """The `k3` command line.
 
     k3 info PRESET_OR_PATH [--json]                 architecture report (meta device, no memory)
+    k3 diagram PRESET_OR_PATH -o FILE.{svg,png,pdf}  the architecture in one picture
     k3 generate CHECKPOINT --prompt TEXT [--image FILE] [...]   stream a continuation (captions with --image)
     k3 train [--task text|shapes] [--preset P] [--data PATH] (--steps N | --minutes M) [--out DIR] [...]
     k3 train --resume --out DIR [--steps N] [--lr LR] [...]   continue (or extend) a run with its own options
@@ -27,7 +28,7 @@ from k3.config import PRESETS, K3Config
 from k3.fileio import describe_error
 from k3.inference import generate
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
-from k3.model.accounting import cache_sizes, count_parameters, forward_flops_per_token
+from k3.model.accounting import architecture_report, published_comparison
 from k3.runtime import keep_freed_memory
 from k3.tokenizer import K3Tokenizer
 
@@ -36,13 +37,6 @@ _LABELS = {
     "norms_attn_res": "norms + AttnRes", "dense_ffn": "dense FFN", "moe_fixed": "MoE fixed parts",
     "routed_experts": "routed experts",
 }
-_CONTEXTS = {"4K": 4096, "128K": 131072, "1M": 1048576}
-# Kimi K2 numbers from the launch article (docs/architecture.md §2.3)
-_K2 = {"layers": "61", "total params": "1.04 T", "activated params": "32.6 B", "training context": "128K",
-       "sequence mixing": "MLA (RoPE) in all layers", "routed experts": "384, top-8, 1 shared, width 2048",
-       "dense FFN (layer 0)": "18432", "rms_norm_eps": "1e-6", "cache per token": "35,136 numbers (61 MLA layers)"}
-
-
 def load_config(preset_or_path: str) -> K3Config:
     if preset_or_path in PRESETS:
         return K3Config.from_preset(preset_or_path)
@@ -59,41 +53,37 @@ def _human(n: float, unit: str = "") -> str:
     return f"{n:.0f} {unit}".rstrip()
 
 
-def info_report(config: K3Config) -> dict:
-    """Everything `k3 info` prints, computed on a meta-device model (no memory is allocated)."""
-    with torch.device("meta"):
-        model = K3ForCausalLM(config) if config.vision_config is None else K3ForConditionalGeneration(config)
-    params = count_parameters(model, config)
-    caches = cache_sizes(config)
-    types = config.layer_types
-    return {
-        "layers": config.num_hidden_layers, "kda_layers": types.count("kda"), "mla_layers": types.count("mla"),
-        "total_params": params.total_params, "activated_params": params.activated_params,
-        "components": {k: {"total": params.total[k], "activated": params.activated[k]} for k in params.total},
-        "vision_params": params.vision,
-        "mla_cache_numbers_per_token": caches.mla_numbers_per_token,
-        "mla_cache_bytes_per_token_bf16": caches.mla_bytes_per_token,
-        "kda_state_bytes_per_sequence_fp32": caches.kda_state_bytes_per_sequence,
-        "kda_conv_bytes_per_sequence_bf16": caches.kda_conv_bytes_per_sequence,
-        "cache_bytes_per_sequence": {k: caches.bytes_at(t) for k, t in _CONTEXTS.items()},
-        "forward_flops_per_token": {k: forward_flops_per_token(config, params, t) for k, t in _CONTEXTS.items()},
-    }
+def _forms(c: K3Config) -> dict[str, str]:
+    """Names of the forms the config uses, K3's or K2's (docs/architecture.md §14)."""
+    mla = ("gated " if c.mla_use_output_gate else "") + ("NoPE MLA" if c.mla_use_nope else "MLA with RoPE")
+    act = "SiTU-GLU" if c.hidden_act == "situ" else "SwiGLU"
+    if c.use_latent_moe:
+        moe = f"Stable LatentMoE: {c.num_experts} experts top-{c.num_experts_per_token} in latent " \
+              f"{c.routed_expert_hidden_size} (width {c.moe_intermediate_size})"
+    else:
+        moe = f"full-width MoE: {c.num_experts} experts top-{c.num_experts_per_token} (width {c.moe_intermediate_size})"
+    moe += f" + {c.num_shared_experts} shared, {act}" + (", RMSNorm on the routed sum" if c.latent_moe_use_norm
+                                                           else "")
+    return {"mla": mla, "act": act, "moe": moe}
 
 
 def print_info(name: str, config: K3Config, r: dict) -> None:
-    c = config
-    n_blocks = -(-c.num_hidden_layers // c.attn_res_block_size)
-    last = c.num_hidden_layers - (n_blocks - 1) * c.attn_res_block_size
+    c, forms = config, _forms(config)
     print(f"K3 architecture report: {name}")
-    print(f"  {r['layers']} decoder layers: {r['kda_layers']} KDA + {r['mla_layers']} gated NoPE MLA "
-          f"(MLA at 1-based {c.full_attn_layers}); hidden {c.hidden_size}, vocab {c.vocab_size}")
-    print(f"  KDA {c.kda_num_heads} heads x {c.kda_head_dim}; MLA {c.num_attention_heads} heads, q_lora "
-          f"{c.q_lora_rank}, kv_lora {c.kv_lora_rank}, qk {c.qk_nope_head_dim}+{c.qk_rope_head_dim}, v {c.v_head_dim}")
-    print(f"  dense SiTU FFN {c.intermediate_size} at layers < {c.first_k_dense_replace}; Stable LatentMoE: "
-          f"{c.num_experts} experts top-{c.num_experts_per_token} in latent {c.routed_expert_hidden_size} "
-          f"(width {c.moe_intermediate_size}) + {c.num_shared_experts} shared")
-    print(f"  Block AttnRes: {n_blocks} blocks of {c.attn_res_block_size} layers (last block {last}), "
-          f"output mix over {n_blocks + 1} sources")
+    where = f"MLA at 1-based {c.full_attn_layers}" if r["kda_layers"] else "MLA in every layer"
+    print(f"  {r['layers']} decoder layers: {r['kda_layers']} KDA + {r['mla_layers']} {forms['mla']} "
+          f"({where}); hidden {c.hidden_size}, vocab {c.vocab_size}")
+    kda = f"KDA {c.kda_num_heads} heads x {c.kda_head_dim}; " if r["kda_layers"] else ""
+    print(f"  {kda}MLA {c.num_attention_heads} heads, q_lora {c.q_lora_rank}, kv_lora {c.kv_lora_rank}, "
+          f"qk {c.qk_nope_head_dim}+{c.qk_rope_head_dim}, v {c.v_head_dim}")
+    print(f"  dense FFN {c.intermediate_size} ({forms['act']}) at layers < {c.first_k_dense_replace}; {forms['moe']}")
+    if c.use_block_attn_res:
+        n_blocks = -(-c.num_hidden_layers // c.attn_res_block_size)
+        last = c.num_hidden_layers - (n_blocks - 1) * c.attn_res_block_size
+        print(f"  Block AttnRes: {n_blocks} blocks of {c.attn_res_block_size} layers (last block {last}), "
+              f"output mix over {n_blocks + 1} sources")
+    else:
+        print("  plain pre-norm residual stream (no Block AttnRes)")
     print("\nParameters (§2.2 convention)        total                activated")
     for key, v in r["components"].items():
         print(f"  {_LABELS[key]:<32} {v['total']:>20,} {v['activated']:>20,}")
@@ -108,35 +98,78 @@ def print_info(name: str, config: K3Config, r: dict) -> None:
               f"-> {vision.text_hidden_size})")
         print(f"  {'text + vision':<32} {r['total_params'] + sum(v.values()):>20,}   (vision is outside the "
               "headline numbers)")
+    if r.get("published"):
+        _print_published(r["published"])
     print("\nInference memory per sequence (MLA latent cache in bf16, KDA state in fp32)")
     print(f"  MLA cache per token          {r['mla_cache_numbers_per_token']:,} numbers = "
           f"{r['mla_cache_bytes_per_token_bf16']:,} B ({c.kv_lora_rank + c.qk_rope_head_dim} per MLA layer)")
-    print(f"  KDA recurrent state          {r['kda_state_bytes_per_sequence_fp32'] / 1e6:,.1f} MB (length-independent)")
-    print(f"  KDA short-conv windows       {r['kda_conv_bytes_per_sequence_bf16'] / 1e6:,.1f} MB")
+    if r["kda_layers"]:
+        print(f"  KDA recurrent state          {r['kda_state_bytes_per_sequence_fp32'] / 1e6:,.1f} MB "
+              "(length-independent)")
+        print(f"  KDA short-conv windows       {r['kda_conv_bytes_per_sequence_bf16'] / 1e6:,.1f} MB")
     for k, b in r["cache_bytes_per_sequence"].items():
         flops = r["forward_flops_per_token"][k]
         print(f"  at {k:>4} tokens: cache {b / 1e9:8.2f} GB   forward {_human(flops, 'FLOP')}/token")
-    print("\nKimi K2 comparison (§2.3)")
-    ours = {"layers": str(c.num_hidden_layers), "total params": _human(r["total_params"]),
-            "activated params": _human(r["activated_params"]),
-            "training context": f"{c.extra.get('max_position_embeddings', 1048576):,} (max_position_embeddings)",
-            "sequence mixing": f"{r['kda_layers']} KDA : {r['mla_layers']} gated NoPE MLA",
-            "routed experts": f"{c.num_experts}, top-{c.num_experts_per_token}, {c.num_shared_experts} shared, "
-                              f"width {c.moe_intermediate_size}, latent {c.routed_expert_hidden_size}",
-            "dense FFN (layer 0)": str(c.intermediate_size), "rms_norm_eps": f"{c.rms_norm_eps:g}",
-            "cache per token": f"{r['mla_cache_numbers_per_token']:,} numbers ({r['mla_layers']} MLA layers)"}
-    print(f"  {'':<22} {'K2':<34} {name}")
-    for key, k2 in _K2.items():
-        print(f"  {key:<22} {k2:<34} {ours[key]}")
+    if name != "kimi-k2":
+        _print_k2_comparison(name, c, r)
+
+
+def _print_published(p: dict) -> None:
+    """The launch figures beside the exact counts, and the conventions that explain a difference (§14.1)."""
+    quoted = f"{_human(p['quoted_total'])} total, {_human(p['quoted_activated'])} activated"
+    print(f"\nAgainst the launch figures ({quoted})")
+    rows = [("exact count (input embedding not activated)", p["total"], p["activated"]),
+            ("input embedding counted as activated", p["total"], p["activated_with_embedding"]),
+            (f"plus one MTP layer ({p['mtp_layer_total']:,} / {p['mtp_layer_activated']:,})", p["total_with_mtp"],
+             p["activated_with_mtp"])]
+    for label, total, activated in rows:
+        print(f"  {label:<58} {total:>20,} {activated:>16,}   ({_human(total)} / {_human(activated)})")
+
+
+def _print_k2_comparison(name: str, c: K3Config, r: dict) -> None:
+    """This config beside the `kimi-k2` preset (§2.3); K2's training context is its 128K."""
+    k2_config = K3Config.from_preset("kimi-k2")
+    k2 = architecture_report(k2_config)
+    print("\nKimi K2 comparison (§2.3, §14; K2 = the kimi-k2 preset)")
+    rows = {}
+    for key, (config, report) in {"K2": (k2_config, k2), name: (c, r)}.items():
+        forms = _forms(config)
+        mixing = f"{report['kda_layers']} KDA : {report['mla_layers']} {forms['mla']}" if report["kda_layers"] \
+            else f"{forms['mla']} in all {report['mla_layers']} layers"
+        rows[key] = {"layers": str(config.num_hidden_layers), "total params": _human(report["total_params"]),
+                     "activated params": _human(report["activated_params"]),
+                     "context": f"{config.extra.get('max_position_embeddings', 1048576):,}",
+                     "sequence mixing": mixing, "depth mixing": "Block AttnRes" if config.use_block_attn_res
+                     else "residual", "routed experts": forms["moe"].split(": ")[-1],
+                     "dense FFN (layer 0)": str(config.intermediate_size), "rms_norm_eps": f"{config.rms_norm_eps:g}",
+                     "cache per token": f"{report['mla_cache_numbers_per_token']:,} numbers"}
+    print(f"  {'':<20} {'K2':<58} {name}")
+    for key in rows["K2"]:
+        print(f"  {key:<20} {rows['K2'][key]:<58} {rows[name][key]}")
 
 
 def cmd_info(args: argparse.Namespace) -> int:
     config = load_config(args.model)
-    report = info_report(config)
+    report = architecture_report(config)
+    published = published_comparison(args.model, report)
+    if published is not None:
+        report["published"] = published
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print_info(args.model, config, report)
+    return 0
+
+
+def cmd_diagram(args: argparse.Namespace) -> int:
+    try:
+        from k3.diagram import save_diagram  # matplotlib only for this command
+    except ModuleNotFoundError as e:
+        raise ValueError(f"k3 diagram needs matplotlib ({e}); install the train extra: pip install '.[train]'") from e
+
+    config = load_config(args.model)
+    save_diagram(config, os.path.basename(os.path.normpath(args.model)), args.output)
+    print(f"wrote {args.output}")
     return 0
 
 
@@ -361,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a checkpoint directory / config.json")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_info)
+    p = sub.add_parser("diagram", parents=[debug],
+                       help="the architecture in one picture: layer stack, components, parameter budget, cache")
+    p.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a checkpoint directory / config.json")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="the picture: FILE.svg, .png or .pdf")
+    p.set_defaults(func=cmd_diagram)
     p = sub.add_parser("plan", parents=[debug],
                        help="per-GPU memory and traffic of training a model on a GPU mesh (analytic)")
     p.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a checkpoint directory / config.json")
@@ -413,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-after", type=int, help="checkpoint and stop after this step (resume later)")
     for name, kind in (("seq_len", int), ("batch_size", int), ("grad_accum", int), ("lr", float),
                        ("warmup_frac", float), ("min_lr_ratio", float), ("schedule", str), ("balancer", str),
+                       ("muon_per_head", str),
                        ("eval_every", int), ("checkpoint_every", int),
                        ("eval_images", int), ("seed", int)):
         p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)

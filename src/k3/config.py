@@ -174,6 +174,10 @@ class K3Config:
     kda_impl: str = "chunk"  # "chunk" | "recurrent"
     moe_impl: str = "grouped"  # "grouped" | "loop"
     mla_decode: str = "absorbed"  # one-token MLA steps: "absorbed" (MQA over the latent, §4.4) | "expanded"
+    # switches back to Kimi K2's forms (§14), written to JSON only when off; with `mla_use_nope = false` (RoPE),
+    # `hidden_act = "silu"` (SwiGLU) and `latent_moe_use_norm = false` they make the K2 baseline
+    use_block_attn_res: bool = True  # false: plain pre-norm residual stream x + f(norm(x)) (§14.3)
+    use_latent_moe: bool = True  # false: routed experts at full width, no down/up projection (§14.4)
     # everything else in the file (model_type, rope_theta, quantization_config, ...) kept verbatim
     extra: dict[str, Any] = field(default_factory=dict)
     # when read from a multimodal file: the top level without `text_config` (has `vision_config`)
@@ -222,6 +226,11 @@ class K3Config:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    @property
+    def rope_theta(self) -> float:
+        """RoPE base of the K2-form MLA (`mla_use_nope = false`, §14.2): the file's `rope_theta`, else 10000."""
+        return float(self.extra.get("rope_theta", 10000.0))
+
     # --------------------------------------------------------------------------------- validation
     def validate(self) -> None:
         """Raise `ConfigError` (a `ValueError`) naming the field and the rule it breaks."""
@@ -251,7 +260,10 @@ class K3Config:
              "first_k_dense_replace", "must be a non-negative integer")
         need(self.num_key_value_heads == self.num_attention_heads, "num_key_value_heads",
              f"must equal num_attention_heads={self.num_attention_heads} (MLA is MHA in expanded form)")
-        need(self.mla_use_nope is True, "mla_use_nope", "must be true: K3's MLA has no rotary embedding (§4)")
+        need(self.mla_use_nope or self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim",
+             "must be even for the rotary embedding of mla_use_nope = false (§14.2)")
+        need(self.use_latent_moe or self.routed_expert_hidden_size == self.hidden_size, "routed_expert_hidden_size",
+             f"must equal hidden_size={self.hidden_size} when use_latent_moe is false (experts at full width)")
         L = self.num_hidden_layers
         for name in ("kda_layers", "full_attn_layers"):
             v = getattr(self, name)
@@ -430,6 +442,10 @@ class K3Config:
             raise ConfigError(f"unknown preset {show_value(name)}; choose one of "
                               f"{summarize(sorted(PRESETS), limit=len(PRESETS))}")
         kwargs = copy.deepcopy({**PRESETS[name], **overrides})
+        if "num_hidden_layers" in overrides and not {"kda_layers", "full_attn_layers"} & set(overrides):
+            # a new depth keeps the preset's schedule: K3's 3:1 pattern, or MLA everywhere (kimi-k2)
+            hybrid = bool(PRESETS[name].get("kda_layers", True))
+            kwargs.update((_k3_structure if hybrid else _mla_structure)(overrides["num_hidden_layers"]))
         vision = (kwargs.get("multimodal") or {}).get("vision_config")
         if vision is not None and "hidden_size" in overrides and "multimodal" not in overrides:
             vision["text_hidden_size"] = overrides["hidden_size"]  # the projector follows the text width
@@ -592,7 +608,8 @@ _LAC_TO_FIELD = {
 }
 _LINEAR_ATTN_FIELDS = frozenset(_LAC_TO_FIELD.values())
 _FIELD_TO_LAC = {name: key for key, name in _LAC_TO_FIELD.items()}
-_KNOB_DEFAULTS = {"kda_chunk_size": 64, "kda_impl": "chunk", "moe_impl": "grouped", "mla_decode": "absorbed"}
+_KNOB_DEFAULTS = {"kda_chunk_size": 64, "kda_impl": "chunk", "moe_impl": "grouped", "mla_decode": "absorbed",
+                  "use_block_attn_res": True, "use_latent_moe": True}
 
 FILE_DEFAULTS: dict[str, Any] = {
     "activation_situ_beta": 1.0,  # §6.1: a file without β₁ means 1.0
@@ -623,6 +640,36 @@ def _k3_structure(num_hidden_layers: int) -> dict[str, Any]:
         "full_attn_layers": full,
         "kda_layers": [i for i in range(1, num_hidden_layers + 1) if i not in full],
     }
+
+
+def _mla_structure(num_hidden_layers: int) -> dict[str, Any]:
+    """The layer lists of K2's schedule: MLA in every layer."""
+    return {"num_hidden_layers": num_hidden_layers, "full_attn_layers": list(range(1, num_hidden_layers + 1)),
+            "kda_layers": []}
+
+
+K2_ARCHITECTURE = ("attention", "attn_res", "latent_moe", "situ")
+"""K3's architectural innovations that `k2_form` turns back into Kimi K2's forms (§14)."""
+
+
+def k2_form(config: K3Config, innovation: str) -> dict[str, Any]:
+    """The config fields that replace one K3 innovation of `config` by its K2 form (§14):
+
+    * "attention": MLA with RoPE in every layer, no output gate (instead of 3:1 KDA : gated NoPE MLA);
+    * "attn_res": the plain pre-norm residual stream (instead of Block AttnRes);
+    * "latent_moe": routed experts at full width, no latent projection, no RMSNorm on their sum;
+    * "situ": SwiGLU (instead of SiTU-GLU) in every gated MLP.
+    """
+    if innovation == "attention":
+        return {**_mla_structure(config.num_hidden_layers), "mla_use_nope": False, "mla_use_output_gate": False}
+    if innovation == "attn_res":
+        return {"use_block_attn_res": False}
+    if innovation == "latent_moe":
+        return {"use_latent_moe": False, "routed_expert_hidden_size": config.hidden_size,
+                "latent_moe_use_norm": False}
+    if innovation == "situ":
+        return {"hidden_act": "silu"}
+    raise ValueError(f"unknown K3 innovation {innovation!r}; choose one of {', '.join(K2_ARCHITECTURE)}")
 
 
 _TINY_VISION = K3VisionConfig(
@@ -660,5 +707,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "intermediate_size": 384, "num_experts": 8, "num_experts_per_token": 2, "moe_intermediate_size": 96,
         "routed_expert_hidden_size": 64, "attn_res_block_size": 4, "bos_token_id": None, "eos_token_id": None,
         "pad_token_id": None, "multimodal": multimodal_top_level(_TINY_VISION, 390),
+    },
+    # Kimi K2's published shapes in K2's forms (§14.1): 61 MLA layers with RoPE, plain residuals, 384 full-width
+    # SwiGLU experts top-8 + 1 shared, first layer dense; no multi-token-prediction layer
+    "kimi-k2": {
+        **_mla_structure(61), "vocab_size": 163840, "hidden_size": 7168, "num_attention_heads": 64,
+        "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": False, "mla_use_output_gate": False,
+        "hidden_act": "silu", "intermediate_size": 18432, "first_k_dense_replace": 1, "num_experts": 384,
+        "num_experts_per_token": 8, "num_shared_experts": 1, "moe_intermediate_size": 2048,
+        "routed_expert_hidden_size": 7168, "use_latent_moe": False, "latent_moe_use_norm": False,
+        "routed_scaling_factor": 2.827, "use_block_attn_res": False, "rms_norm_eps": 1e-6,
+        "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": None,
+        "extra": {"model_type": "kimi_k2", "rope_theta": 50000.0, "max_position_embeddings": 131072},
     },
 }

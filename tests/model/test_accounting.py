@@ -7,7 +7,7 @@ import torch
 
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
-from k3.model.accounting import cache_sizes, component_of, count_parameters, forward_flops_per_token
+from k3.model.accounting import attn_res_sources, cache_sizes, component_of, count_parameters, forward_flops_per_token
 
 D = 7168
 
@@ -127,3 +127,22 @@ def test_preset_totals(preset, total):
     with torch.device("meta"):
         model = K3ForCausalLM(config)
     assert count_parameters(model, config).total_params == total
+
+
+@pytest.mark.parametrize("layers, block", [(9, 4), (8, 3), (13, 13)])
+def test_attn_res_source_counts_follow_the_forward(tiny_config, layers, block):
+    """`attn_res_sources` equals what the layers really mix: len(bank) + 1 before each FFN and at the output."""
+    config = tiny_config(num_hidden_layers=layers, attn_res_block_size=block,
+                         kda_layers=[i for i in range(1, layers + 1) if i % 4],
+                         full_attn_layers=list(range(4, layers + 1, 4)))
+    model = K3ForCausalLM(config).eval()
+    seen = []
+    hooks = [layer.register_forward_hook(lambda m, args, out: seen.append(len(out[1]) + 1))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(torch.zeros(1, 3, dtype=torch.long))
+    for h in hooks:
+        h.remove()
+    per_layer, output = attn_res_sources(config)
+    assert per_layer == seen  # the bank after a layer is the one its FFN mix read
+    assert output == seen[-1]

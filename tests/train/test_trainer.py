@@ -126,10 +126,21 @@ def test_activation_checkpointing_changes_nothing(corpus, tmp_path):
     {"steps": None}, {"steps": 0}, {"minutes": 1.0}, {"schedule": "linear"}, {"steps": None, "minutes": math.nan},
     {"steps": None, "minutes": math.inf}, {"steps": None, "minutes": -1.0}, {"lr": math.nan}, {"lr": -0.1},
     {"seed": 2**70}, {"seed": -1}, {"batch_size": 0}, {"batch_size": True}, {"balancer": "fair"},
-    {"overrides": {"no_such_field": 1}}, {"stop_after": 0}])
+    {"overrides": {"no_such_field": 1}}, {"stop_after": 0}, {"muon_per_head": "rows"}])
 def test_bad_arguments(corpus, tmp_path, bad):
     with pytest.raises(ValueError):
         _args(corpus, tmp_path, **bad)
+
+
+def test_muon_block_view_is_an_option(corpus, tmp_path):
+    """--muon-per-head none: Muon on whole matrices (K2's form, §14); the default splits q/k/v per head (§8.4)."""
+    def groups(**kw):
+        trainer = Trainer(_args(corpus, tmp_path / str(len(kw)), **kw))
+        return {g["name"]: g["split"] for g in trainer.optimizers[0].param_groups}
+
+    assert {"kda_qkv", "mla_q_b", "mla_kv_b"} <= set(groups())
+    whole = groups(muon_per_head="none")
+    assert not {"kda_qkv", "mla_q_b", "mla_kv_b"} & set(whole) and set(whole.values()) == {"none"}
 
 
 def test_time_budget_ends_the_run(corpus, tmp_path):

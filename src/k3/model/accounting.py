@@ -10,9 +10,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from k3.config import K3Config
+from k3.model.k3 import K3DecoderLayer, K3ForCausalLM
+from k3.model.multimodal import K3ForConditionalGeneration
 
 COMPONENTS = ("embedding", "lm_head", "kda", "mla", "norms_attn_res", "dense_ffn", "moe_fixed", "routed_experts")
 VISION_COMPONENTS = ("vision_tower", "mm_projector")  # outside both headline numbers (§2.2)
@@ -101,3 +104,78 @@ def forward_flops_per_token(config: K3Config, params: ParamCount, context: int) 
     mla = n_mla * 2 * H * (config.qk_head_dim + config.v_head_dim) * (context + 1) // 2
     kda = (config.num_hidden_layers - n_mla) * Hk * (6 * d * d + 3 * C * d + C * C)
     return matmul + mla + kda
+
+
+def attn_res_sources(config: K3Config) -> tuple[list[int], int]:
+    """How many sources Block AttnRes mixes (§5.3): per layer, the mix before its FFN (the embedding, the completed
+    block sums, the current block's partial sum), and the output mix; ([], 0) without Block AttnRes."""
+    if not config.use_block_attn_res:
+        return [], 0
+    banked, per_layer = 0, []
+    for i in range(config.num_hidden_layers):
+        banked += i % config.attn_res_block_size == 0  # a block starts: the previous partial sum is banked
+        per_layer.append(banked + 1)
+    return per_layer, banked + 1
+
+
+CONTEXTS = {"4K": 4096, "128K": 131072, "1M": 1048576}  # the contexts of the cache and FLOP figures
+PUBLISHED = {"k3-full": (2.78e12, 104.2e9), "kimi-k2": (1.04e12, 32.6e9)}
+"""Total and activated parameters quoted at each model's launch (§2.3), beside the exact counts of the presets."""
+
+
+def mtp_layer_params(config: K3Config) -> tuple[int, int]:
+    """(total, activated) of one DeepSeek-V3-style multi-token-prediction module at `config`'s shapes (§14.1): an
+    MoE decoder layer like the last one, a 2D → D projection and three norms. No preset has one; this explains
+    quoted totals that include it."""
+    with torch.device("meta"):
+        layer = K3DecoderLayer(config, config.num_hidden_layers - 1)
+    counts = dict.fromkeys(COMPONENTS, 0)
+    for name, tensor in layer.state_dict(keep_vars=True).items():
+        counts[component_of(f"model.layers.{config.num_hidden_layers - 1}.{name}", config)] += tensor.numel()
+    D = config.hidden_size
+    extra = 2 * D * D + 3 * D
+    routed = counts["routed_experts"]
+    total = sum(counts.values()) + extra
+    return total, total - routed + routed * config.num_experts_per_token // config.num_experts
+
+
+def meta_model(config: K3Config) -> nn.Module:
+    """`config`'s model on the meta device (shapes only, no memory): text-only or multimodal."""
+    with torch.device("meta"):
+        return K3ForCausalLM(config) if config.vision_config is None else K3ForConditionalGeneration(config)
+
+
+def architecture_report(config: K3Config, model: nn.Module | None = None) -> dict:
+    """Counts, cache sizes and FLOPs of `config` (what `k3 info` prints), computed on its meta-device model
+    (`model`, if already built)."""
+    model = meta_model(config) if model is None else model
+    params = count_parameters(model, config)
+    caches = cache_sizes(config)
+    types = config.layer_types
+    return {
+        "layers": config.num_hidden_layers, "kda_layers": types.count("kda"), "mla_layers": types.count("mla"),
+        "total_params": params.total_params, "activated_params": params.activated_params,
+        "components": {k: {"total": params.total[k], "activated": params.activated[k]} for k in params.total},
+        "vision_params": params.vision,
+        "mla_cache_numbers_per_token": caches.mla_numbers_per_token,
+        "mla_cache_bytes_per_token_bf16": caches.mla_bytes_per_token,
+        "kda_state_bytes_per_sequence_fp32": caches.kda_state_bytes_per_sequence,
+        "kda_conv_bytes_per_sequence_bf16": caches.kda_conv_bytes_per_sequence,
+        "cache_bytes_per_sequence": {k: caches.bytes_at(t) for k, t in CONTEXTS.items()},
+        "forward_flops_per_token": {k: forward_flops_per_token(config, params, t) for k, t in CONTEXTS.items()},
+    }
+
+
+def published_comparison(name: str, report: dict) -> dict | None:
+    """The launch figures of preset `name` beside its exact counts, with the counts under the other conventions
+    (input embedding activated, one MTP layer added) that explain a difference (§14.1); None for other names."""
+    if name not in PUBLISHED:
+        return None
+    config = K3Config.from_preset(name)
+    mtp_total, mtp_activated = mtp_layer_params(config)
+    embedding = report["components"]["embedding"]["total"]
+    total, activated = report["total_params"], report["activated_params"]
+    return {"quoted_total": PUBLISHED[name][0], "quoted_activated": PUBLISHED[name][1],
+            "total": total, "activated": activated, "activated_with_embedding": activated + embedding,
+            "mtp_layer_total": mtp_total, "mtp_layer_activated": mtp_activated,
+            "total_with_mtp": total + mtp_total, "activated_with_mtp": activated + mtp_activated}

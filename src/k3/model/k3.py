@@ -48,10 +48,12 @@ class K3DecoderLayer(nn.Module):
             self.mlp = SiTUMLP(config, D, config.intermediate_size)
         self.input_layernorm = RMSNorm(D, eps)
         self.post_attention_layernorm = RMSNorm(D, eps)
-        self.self_attention_res_norm = RMSNorm(D, eps)
-        self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
-        self.mlp_res_norm = RMSNorm(D, eps)
-        self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+        self.use_block_attn_res = config.use_block_attn_res
+        if self.use_block_attn_res:
+            self.self_attention_res_norm = RMSNorm(D, eps)
+            self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(D, eps)
+            self.mlp_res_proj = nn.Linear(D, 1, bias=False)
 
     def ffn(self, x_BTD: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
         return self.mlp(x_BTD) if hasattr(self, "mlp") else self.block_sparse_moe(x_BTD, ctx)
@@ -61,7 +63,13 @@ class K3DecoderLayer(nn.Module):
         """One step of §5.3. `cur` is the running partial sum of the current block (the embedding before
         layer 0); `bank` the completed sources [b₀ = embedding, b₁, …]. Returns the new (cur, bank).
         `cache` reaches the sequence mixer only (AttnRes and the FFN are per token); `ctx` also carries the
-        call's training observers to the router."""
+        call's training observers to the router.
+
+        Without Block AttnRes (K2's form, §14.3) `cur` is the residual stream x and `bank` stays empty:
+        x ← x + attn(norm(x)), then x ← x + ffn(norm(x))."""
+        if not self.use_block_attn_res:
+            x_BTD = cur_BTD + self.self_attn(self.input_layernorm(cur_BTD), cache, ctx)
+            return x_BTD + self.ffn(self.post_attention_layernorm(x_BTD), ctx), bank
         prefix = cur_BTD
         h_BTD = attn_res_mix(bank + [prefix], self.self_attention_res_norm, self.self_attention_res_proj) \
             if bank else prefix
@@ -83,8 +91,9 @@ class K3Model(Observable, nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, D)
         self.layers = nn.ModuleList(K3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.output_attn_res_norm = RMSNorm(D, config.rms_norm_eps)
-        self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+        if config.use_block_attn_res:
+            self.output_attn_res_norm = RMSNorm(D, config.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
         self.norm = RMSNorm(D, config.rms_norm_eps)
         self.gradient_checkpointing = False  # recompute each layer's activations in backward (training memory)
 
@@ -108,6 +117,8 @@ class K3Model(Observable, nn.Module):
                 cur_BTD, bank = layer(cur_BTD, bank, None if cache is None else cache.layers[i], ctx)
         if cache is not None:
             cache.length += T
+        if not self.config.use_block_attn_res:  # plain residual stream: the last layer's output
+            return self.norm(cur_BTD)
         out_BTD = attn_res_mix(bank + [cur_BTD], self.output_attn_res_norm, self.output_attn_res_proj)
         return self.norm(out_BTD)
 

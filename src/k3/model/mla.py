@@ -1,4 +1,4 @@
-"""Gated NoPE multi-head latent attention, expanded form (§4.1, §4.2, §4.5).
+"""Gated NoPE multi-head latent attention, expanded form (§4.1, §4.2, §4.5); RoPE for the K2 baseline (§14.2).
 
 Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
@@ -13,12 +13,16 @@ from k3.config import K3Config
 from k3.model.cache import MLACache, StepContext
 from k3.ops.norm import RMSNorm
 from k3.ops.precision import fp32
+from k3.ops.rope import apply_rope, rope_angles
 
 MLA_LORA_NORM_EPS = 1e-6  # §0.5: class default of the reference RMSNorm; the config's eps is not passed
 
 
 class GatedMLA(nn.Module):
-    """One gated MLA layer (module `self_attn` of an MLA decoder layer); no positional encoding."""
+    """One gated MLA layer (module `self_attn` of an MLA decoder layer); no positional encoding.
+
+    The K2 form (`mla_use_nope = false`, `mla_use_output_gate = false`, §14.2) rotates q_pe and k_pe by their
+    positions (RoPE, θ = `config.rope_theta`) and has no output gate; the cache then holds the rotated k_pe."""
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -37,18 +41,28 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(H * Vh, D, bias=False)
         self.scale = (N + R) ** -0.5  # 1/sqrt(qk_nope + qk_rope), in every form
 
-    def project_query(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q_nope [B,T,H,N], q_pe [B,T,H,R]) from c_q = RMSNorm_{1e-6}(x W_qaᵀ) (steps 1–2)."""
+    def project_query(self, x_BTD: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_nope [B,T,H,N], q_pe [B,T,H,R]) from c_q = RMSNorm_{1e-6}(x W_qaᵀ) (steps 1–2); q_pe rotated to
+        the positions start.. in the RoPE form."""
         B, T, _ = x_BTD.shape
         cfg = self.config
         q_BTHQ = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))).view(B, T, self.num_heads, -1)
-        return q_BTHQ.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_nope_BTHK, q_pe_BTHR = q_BTHQ.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        return q_nope_BTHK, self._rotate(q_pe_BTHR, start)
 
-    def compress_kv(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """The 576-number latent per token: [ĉ = RMSNorm_{1e-6}(c) ‖ raw k_pe] (steps 3–4, §4.3)."""
+    def compress_kv(self, x_BTD: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The 576-number latent per token: [ĉ = RMSNorm_{1e-6}(c) ‖ raw k_pe] (steps 3–4, §4.3); k_pe rotated
+        to the positions start.. in the RoPE form."""
         c_BTc, k_pe_BTR = self.kv_a_proj_with_mqa(x_BTD).split(
             [self.config.kv_lora_rank, self.config.qk_rope_head_dim], dim=-1)
-        return torch.cat([self.kv_a_layernorm(c_BTc), k_pe_BTR], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c_BTc), self._rotate(k_pe_BTR, start)], dim=-1)
+
+    def _rotate(self, x_BTR: torch.Tensor, start: int) -> torch.Tensor:
+        """x unchanged (K3: no positional encoding), or rotated to the positions start..start+T-1 (K2's RoPE)."""
+        if self.config.mla_use_nope:
+            return x_BTR
+        positions_T = torch.arange(start, start + x_BTR.shape[1], device=x_BTR.device)
+        return apply_rope(x_BTR, *rope_angles(positions_T, x_BTR.shape[-1], self.config.rope_theta))
 
     def gate_and_project(self, x_BTD: torch.Tensor, o_BTHV: torch.Tensor) -> torch.Tensor:
         """y = (o ⊙ σ(x W_gᵀ)) W_oᵀ: elementwise sigmoid gate per head and channel, then o_proj (steps 9–10)."""
@@ -69,12 +83,12 @@ class GatedMLA(nn.Module):
         for observer in ctx.observers:  # QK-Clip's max logits (§8.6)
             observer.on_attention(self, x_BTD.detach(), ctx.document_ids_BT)
         T = x_BTD.shape[1]
-        latent_BSL = self.compress_kv(x_BTD)
+        latent_BSL = self.compress_kv(x_BTD, ctx.start)
         if cache is not None:
             cache.latent_BSL[:, ctx.start: ctx.start + T] = latent_BSL
             latent_BSL = cache.latent_BSL[:, : ctx.start + T]
         mask_B1TS = attention_mask(T, ctx.start, ctx.key_valid_BS, x_BTD.device, ctx.document_ids_BT)
-        q_nope_BTHK, q_pe_BTHR = self.project_query(x_BTD)
+        q_nope_BTHK, q_pe_BTHR = self.project_query(x_BTD, ctx.start)
         if cache is not None and self.config.mla_decode == "absorbed" and T <= self.absorbed_max_tokens:
             o_BTHV = self.attend_absorbed(q_nope_BTHK, q_pe_BTHR, latent_BSL, mask_B1TS)
         else:
@@ -100,7 +114,7 @@ class GatedMLA(nn.Module):
         H, N = self.num_heads, cfg.qk_nope_head_dim
         c_BSc, k_pe_BSR = latent_BSL.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         k_nope_BSHK, v_BSHV = self.kv_b_proj(c_BSc).view(B, S, H, -1).split([N, cfg.v_head_dim], dim=-1)
-        # key = [k_nope ‖ k_pe broadcast over heads]; query = [q_nope ‖ q_pe]; no rotation anywhere
+        # key = [k_nope ‖ k_pe broadcast over heads]; query = [q_nope ‖ q_pe] (rotated in the RoPE form only)
         key_BSHQ = torch.cat([k_nope_BSHK, k_pe_BSR[:, :, None].expand(B, S, H, -1)], dim=-1)
         query_BTHQ = torch.cat([q_nope_BTHK, q_pe_BTHR], dim=-1)
         # SDPA's fused CPU kernel needs equal q/k and v head dims (else it falls back to materialising all

@@ -124,7 +124,9 @@ class RoutedExperts(nn.Module):
 
 
 class StableLatentMoE(nn.Module):
-    """MoE(x) = up(RMSNorm(Σ_e w_e·E_e(down(x)))) + Shared(x) (module `block_sparse_moe`, §6.6)."""
+    """MoE(x) = up(RMSNorm(Σ_e w_e·E_e(down(x)))) + Shared(x) (module `block_sparse_moe`, §6.6).
+
+    K2's form (`use_latent_moe = false`, `latent_moe_use_norm = false`, §14.4): Σ_e w_e·E_e(x) + Shared(x)."""
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -132,8 +134,9 @@ class StableLatentMoE(nn.Module):
         D, L = config.hidden_size, config.routed_expert_hidden_size
         self.gate = MoEGate(config)
         self.experts = RoutedExperts(config)
-        self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
-        self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
+        if config.use_latent_moe:  # else K2's full-width experts (L = D, §14.4)
+            self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
+            self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
         if config.latent_moe_use_norm:
             self.routed_expert_norm = RMSNorm(L, eps=config.rms_norm_eps)
         if config.num_shared_experts:
@@ -144,10 +147,11 @@ class StableLatentMoE(nn.Module):
         """x is the `post_attention_layernorm` output [B, T, D]; `ctx` carries the call's training observers."""
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         idx_Nk, w_Nk = self.gate(x_ND, ctx)
-        r_NL = self.experts(self.routed_expert_down_proj(x_ND), idx_Nk, w_Nk)
+        latent = self.config.use_latent_moe
+        r_NL = self.experts(self.routed_expert_down_proj(x_ND) if latent else x_ND, idx_Nk, w_Nk)
         if self.config.latent_moe_use_norm:
             r_NL = self.routed_expert_norm(r_NL)
-        y_ND = self.routed_expert_up_proj(r_NL)
+        y_ND = self.routed_expert_up_proj(r_NL) if latent else r_NL
         if self.config.num_shared_experts:
             y_ND = y_ND + self.shared_experts(x_ND)
         return y_ND.view_as(x_BTD)

@@ -124,8 +124,9 @@ class _TextSkeleton(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(V, D, _weight=torch.empty(V, D))
         self.model.layers = nn.ModuleList(K3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.model.output_attn_res_norm = RMSNorm(D, eps)
-        self.model.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+        if config.use_block_attn_res:
+            self.model.output_attn_res_norm = RMSNorm(D, eps)
+            self.model.output_attn_res_proj = nn.Linear(D, 1, bias=False)
         self.model.norm = RMSNorm(D, eps)
         self.lm_head = nn.Linear(D, V, bias=False)
 

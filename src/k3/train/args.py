@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, fields, replace
 
 from k3.config import K3Config, summarize
+from k3.optim.groups import PER_HEAD_SCOPES
 from k3.train.balance import METHODS
 from k3.train.checkpoint import IncompatibleResume
 from k3.train.tasks import TASKS
@@ -46,6 +47,8 @@ class TrainArgs:
     weight_decay: float | None = None  # 0.1
     clip: float | None = None  # 1.0
     balancer: str | None = None  # qb (default) | qb_exact | sign | none (§7.4)
+    muon_per_head: str | None = None  # Muon's block view (§8.4): qkv (Per-Head Muon, default) | qkv+o+gates | none
+    # (whole matrices, K2's Muon, §14)
     qk_clip_tau: float | None = None  # 100.0
     eval_every: int | None = None  # 50
     eval_batches: int | None = None  # 16
@@ -85,7 +88,8 @@ class TrainArgs:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed <= MAX_SEED):
             raise ValueError(f"--seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
-        for name, choices in (("task", sorted(TASKS)), ("schedule", ["cosine", "wsd"]), ("balancer", METHODS)):
+        for name, choices in (("task", sorted(TASKS)), ("schedule", ["cosine", "wsd"]), ("balancer", METHODS),
+                              ("muon_per_head", PER_HEAD_SCOPES)):
             v = getattr(self, name)
             if v is not None and v not in choices:
                 raise ValueError(f"{_option(name)} must be one of {', '.join(choices)}, got {v!r}")
@@ -145,12 +149,13 @@ class TrainArgs:
 
 DEFAULTS = {"task": "text", "seq_len": 256, "batch_size": 16, "grad_accum": 1, "min_lr_ratio": 0.1,
             "warmup_frac": 0.01, "schedule": "cosine", "weight_decay": 0.1, "clip": 1.0, "balancer": "qb",
+            "muon_per_head": "qkv",
             "qk_clip_tau": 100.0, "eval_every": 50, "eval_batches": 16, "eval_images": 128, "checkpoint_every": 100,
             "activation_checkpointing": False, "seed": 0, "overrides": {}}
 """What a TrainArgs field left at None means on a fresh run (preset and lr: the task's; data: Shakespeare)."""
 
 RESUME_FIXED = ("task", "preset", "data", "overrides", "seq_len", "batch_size", "grad_accum", "seed", "balancer",
-                "schedule", "min_lr_ratio", "warmup_frac", "weight_decay", "clip", "qk_clip_tau")
+                "muon_per_head", "schedule", "min_lr_ratio", "warmup_frac", "weight_decay", "clip", "qk_clip_tau")
 """What defines a run, refused by `--resume`: the data (and so the tokenizer and the split), the model, the
 batches (their shape and order), the optimiser's stored hyper-parameters and the schedule's shape."""
 

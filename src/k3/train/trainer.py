@@ -216,7 +216,7 @@ class Trainer:
         if self.dist is not None:
             parallelize(self.model, self.dist, args.reshard_after_forward, args.cpu_offload)
         self.optimizers = make_optimizers(
-            self.model, self.config, lr=args.lr, weight_decay=args.weight_decay,
+            self.model, self.config, lr=args.lr, weight_decay=args.weight_decay, per_head_scope=args.muon_per_head,
             ns_dtype=torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.balancer = QuantileBalancer(self.model, method=args.balancer)
 
@@ -433,7 +433,10 @@ class Trainer:
         if self.main:
             atomic_write(self.out / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in self.history))
 
-    def _attn_res_mixing(self) -> tuple[torch.Tensor, list[str]]:
+    def _attn_res_mixing(self) -> tuple[torch.Tensor, list[str]] | None:
+        """The AttnRes mixing table of the model on the task's probe batch; None without Block AttnRes."""
+        if not self.config.use_block_attn_res:
+            return None
         self.model.eval()
         probe = {k: v.to(self.device) for k, v in self.task.probe_batch().items()}
         if self.dist is None:
@@ -445,8 +448,9 @@ class Trainer:
         if hasattr(self, "last_load_XE"):
             load_XE = self.last_load_XE / self.last_load_XE.mean(dim=1, keepdim=True)
             plots.plot_expert_load(load_XE.cpu(), self.out / "expert_load.png")
-        table, labels = mixing or self._attn_res_mixing()
-        plots.plot_attn_res(table, labels, self.out / "attn_res.png")
+        mixing = mixing or self._attn_res_mixing()
+        if mixing is not None:
+            plots.plot_attn_res(*mixing, self.out / "attn_res.png")
 
     def export(self) -> Path:
         """The final model + tokenizer (+ processor) as a plain checkpoint directory `out/model` (for

@@ -2,6 +2,7 @@
 
     k3 info PRESET_OR_PATH [--json]                 architecture report (meta device, no memory)
     k3 diagram PRESET_OR_PATH -o FILE.{svg,png,pdf}  the architecture in one picture
+    k3 ablate (--budget-minutes M | --flops F) --out DIR [--variants ...]   K3 vs K2 at equal training FLOPs
     k3 generate CHECKPOINT --prompt TEXT [--image FILE] [...]   stream a continuation (captions with --image)
     k3 train [--task text|shapes] [--preset P] [--data PATH] (--steps N | --minutes M) [--out DIR] [...]
     k3 train --resume --out DIR [--steps N] [--lr LR] [...]   continue (or extend) a run with its own options
@@ -298,6 +299,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ablate(args: argparse.Namespace) -> int:
+    """`k3 ablate`: K3, K2-style and K3-minus-one-innovation at equal training FLOPs (docs/architecture.md §14.5)."""
+    from k3.train.ablate import AblationArgs, ablate, describe
+    from k3.train.data import CorpusUnavailable
+    from k3.train.trainer import TrainingDiverged
+
+    options = {k: v for k, v in vars(args).items() if k in AblationArgs.__dataclass_fields__ and v is not None}
+    if "variants" in options:
+        options["variants"] = tuple(v.strip() for v in options["variants"].split(",") if v.strip())
+    options["overrides"] = _overrides(args.override)
+    try:
+        state = ablate(AblationArgs(**options))
+    except (TrainingDiverged, CorpusUnavailable) as e:
+        raise Failure(str(e)) from e
+    if state["stopped_by"]:
+        print(f"k3 ablate: stopped by {state['stopped_by']}, the run's checkpoint saved; continue with the same "
+              f"command (k3 ablate --out {args.out} ...)", file=sys.stderr)
+        return 128 + signal.Signals[state["stopped_by"]].value if state["stopped_by"].startswith("SIG") else 0
+    print(describe(state, args.out))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- failures
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 """Exit statuses: a run that failed (a full disk, a diverged run, a corpus that cannot be fetched); a usage error
@@ -467,6 +490,23 @@ def main(argv: list[str] | None = None) -> int:
     parallel.add_argument("--cpu-offload", action="store_true", default=None,
                           help="FSDP2: keep sharded parameters, gradients and optimiser states on the CPU")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("ablate", parents=[debug],
+                       help="K3 vs K2-style vs K3 minus one innovation, trained at equal FLOPs on the same data")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget-minutes", type=_finite(0.0, math.inf),
+                        help="wall-clock budget: K3 trains for its share, every other variant on K3's FLOPs")
+    budget.add_argument("--flops", type=_finite(0.0, math.inf), help="training FLOPs of every variant")
+    p.add_argument("--variants", help="comma-separated, k3 included (default: all: k3, k2, no-hybrid-attention, "
+                                      "no-attn-res, no-latent-moe, no-situ, no-qb, no-per-head-muon)")
+    p.add_argument("--out", required=True, help="directory of the runs, the table, the plot and the state "
+                                                "(an interrupted ablation continues with the same command)")
+    p.add_argument("--preset", help="model size of every variant (default k3-tiny)")
+    p.add_argument("--data", help="text corpus (default: the works of Shakespeare)")
+    for name, kind in (("seq_len", int), ("batch_size", int), ("lr", float), ("seed", int)):
+        p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
+    p.add_argument("--override", action="append", metavar="FIELD=VALUE",
+                   help="K3Config field of the preset for every variant (VALUE in JSON; repeatable)")
+    p.set_defaults(func=cmd_ablate)
     p = sub.add_parser("export", parents=[debug],
                        help="write a training checkpoint's model as a model directory (safetensors, sharded by size)")
     p.add_argument("run", help="run directory (its newest checkpoint) or one checkpoint directory")

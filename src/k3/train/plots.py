@@ -40,6 +40,22 @@ def plot_losses(history: list[dict], path: str | os.PathLike, references: dict[s
     _save(fig, path)
 
 
+def plot_ablation(curves: dict[str, list[list[float]]], k3_loss: float, path: str | os.PathLike) -> None:
+    """Validation loss against training FLOPs, one line per ablation variant (K3 and K2 drawn heavier), with K3's
+    final loss as a horizontal line."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, curve in curves.items():
+        points = [(f, loss) for f, loss in curve if f > 0]  # step 0 has no place on a log axis
+        if points:
+            ax.plot(*zip(*points), "o-" if name in ("k3", "k2") else ".-", lw=2.2 if name in ("k3", "k2") else 1,
+                    ms=4, label=name)
+    ax.axhline(k3_loss, ls="--", c="gray", lw=0.8, label="K3's final loss")
+    ax.set(xscale="log", xlabel="training FLOPs (accounting)", ylabel="validation loss (nats/token)",
+           title="K3 ablation at equal training FLOPs")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
 def plot_expert_load(load_XE: torch.Tensor, path: str | os.PathLike) -> None:
     """Heatmap of each MoE layer's expert load as a multiple of the balanced load (1 = balanced)."""
     fig, ax = plt.subplots(figsize=(8, 0.4 * load_XE.shape[0] + 1.5))

@@ -12,20 +12,10 @@ import pytest
 import k3.train.ablate as ablate_module
 from k3.cli import main
 from k3.config import K2_ARCHITECTURE, K3Config, k2_form
-from k3.train.ablate import VARIANTS, AblationArgs, ablate, flops_per_step, flops_to_reach, variant_config
+from k3.train.ablate import VARIANTS, AblationArgs, flops_per_step, flops_to_reach, variant_config
 
 BUDGET = 3.4e9  # training FLOPs: about 6 steps of 2 × 32 tokens of the TINY model
 TINY = {"vocab_size": 320, "num_hidden_layers": 5, "full_attn_layers": [4, 5], "kda_layers": [1, 2, 3]}
-CORPUS = "\n\n".join(f"Act {i}. " + "Now is the winter of our discontent made glorious summer. " * (2 + i % 3)
-                     for i in range(30))
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ablate-corpus")
-    for i, doc in enumerate(CORPUS.split("\n\n")):
-        (root / f"doc{i:02d}.txt").write_text(doc)
-    return root
 
 
 def _args(corpus, out, **kw):

@@ -16,20 +16,6 @@ from k3.optim import cosine_with_warmup
 from k3.train.checkpoint import IncompatibleResume, latest_checkpoint
 from k3.train.trainer import SaveFailed, TrainArgs, Trainer, TrainingDiverged, train
 
-CORPUS = "\n\n".join(f"Scene {i}. " + "To be, or not to be, that is the question. " * (3 + i % 4) +
-                     "Whether 'tis nobler in the mind to suffer the slings and arrows. " * (i % 3 + 1)
-                     for i in range(40))
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small multi-document corpus directory (one document per file) and a tokenizer cache."""
-    root = tmp_path_factory.mktemp("corpus")
-    for i, doc in enumerate(CORPUS.split("\n\n")):
-        (root / f"doc{i:02d}.txt").write_text(doc)
-    return root
-
-
 def _args(corpus, out, **kw):
     tiny = {"vocab_size": 320, "num_hidden_layers": 5, "full_attn_layers": [4, 5], "kda_layers": [1, 2, 3]}
     base = dict(data=str(corpus), out=str(out), steps=6, seq_len=32, batch_size=2, eval_every=2, eval_batches=2,
@@ -239,7 +225,7 @@ def _copy(run, tmp_path):
 def test_resume_refuses_changed_settings_naming_each(corpus, two_checkpoints, tmp_path):
     """Options that define the run are refused all at once, each with its old and new value."""
     other = tmp_path / "other.txt"
-    other.write_text(CORPUS)
+    other.write_text("\n\n".join(p.read_text() for p in sorted(corpus.glob("*.txt"))))  # the same text, one file
     with pytest.raises(IncompatibleResume) as e:
         Trainer(_args(corpus, two_checkpoints, resume=True, data=str(other), seq_len=64, seed=3,
                       overrides={"vocab_size": 320, "num_hidden_layers": 9}))

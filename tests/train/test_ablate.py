@@ -127,6 +127,15 @@ def test_a_finished_ablation_is_not_trained_again_and_options_cannot_change(fini
     assert "other options (batch_size: 2 -> 4)" in capsys.readouterr().err
 
 
+def test_budget_minutes_become_k3_steps_at_the_timed_pace(corpus, tmp_path, monkeypatch):
+    """--budget-minutes: K3's share of the budget at the pace of the timed steps, in K3 steps, times their FLOPs."""
+    monkeypatch.setenv("K3_CACHE_DIR", str(corpus.parent / "cache"))
+    clock = iter([0.0, 3.0])  # three timed steps in 3 s: 1 s a step
+    monkeypatch.setattr(ablate_module, "perf_counter", lambda: next(clock))
+    args = _args(corpus, tmp_path, flops=None, budget_minutes=1.0)  # k3 and k2: 30 s each, 85 % for steps
+    assert ablate_module.budget_flops(args) == 25 * flops_per_step(args, VARIANTS["k3"])
+
+
 def test_cli_names_bad_options(capsys):
     assert main(["ablate", "--flops", "1e12", "--variants", "k3,k5", "--out", "x"]) == 2
     assert "k3 ablate: error: --variants must name distinct variants" in capsys.readouterr().err

@@ -1,12 +1,13 @@
 """`k3 ablate`: K3 against its K2 baseline and against "K3 minus one innovation", at equal training FLOPs
 (docs/architecture.md §14.5).
 
-Every variant is an ordinary `k3 train` run in `out/<variant>` on the same data, tokenizer, batches and seed; only
-the config fields of `k3.config.k2_form` and the two training switches (balancer, Muon block view) differ. K3 runs
-first: with `budget_minutes` its schedule is fitted to its share of the budget and the FLOPs it used become the
-budget of every other variant; with `flops` each variant gets that many. FLOPs are counted by the accounting
-(3 × forward FLOPs per token × tokens per step, `forward_flops_per_token`), never by wall time. The state lives in
-`out/ablation.json`, rewritten after every variant, so an interrupted ablation continues where it stopped.
+Every variant is an ordinary `k3 train` run in `out/<variant>` on the same data, tokenizer, batches, seed and
+recipe (a fixed-length schedule); only the config fields of `k3.config.k2_form` and the two training switches
+(balancer, Muon block view) differ. With `flops` every variant trains that many FLOPs; with `budget_minutes` a few
+timed K3 steps turn K3's share of the budget into its number of steps, and the FLOPs of those steps become the
+budget of every variant. FLOPs are counted by the accounting (3 × forward FLOPs per token × tokens per step,
+`forward_flops_per_token`), never by wall time. The state lives in `out/ablation.json`, rewritten after every
+variant, so an interrupted ablation continues where it stopped.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from time import perf_counter
 
 from tqdm.auto import tqdm
 
@@ -29,6 +32,8 @@ from k3.train.trainer import Trainer
 
 STATE_FILE = "ablation.json"
 EVALS_PER_RUN = 8  # validation points on each loss-vs-FLOPs curve (plus step 0)
+TIMED_STEPS = 3  # K3 steps timed (after one warm-up step) to turn --budget-minutes into a number of steps
+TRAINING_SHARE = 0.85  # of a run's time, left for training steps (evaluations, checkpoints and export take the rest)
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,7 @@ VARIANTS = {v.name: v for v in [
 @dataclass
 class AblationArgs:
     out: str
-    budget_minutes: float | None = None  # K3 trains for budget_minutes / len(variants); the others on its FLOPs
+    budget_minutes: float | None = None  # K3's steps fill budget_minutes / len(variants); all train on its FLOPs
     flops: float | None = None  # or: the training FLOPs of every variant
     variants: tuple[str, ...] = tuple(VARIANTS)
     preset: str = "k3-tiny"
@@ -113,13 +118,29 @@ def flops_per_step(args: AblationArgs, variant: Variant) -> int:
     return 3 * forward_flops_per_token(config, params, args.seq_len) * args.batch_size * args.seq_len
 
 
-def _train_args(args: AblationArgs, variant: Variant, run: Path, steps: int | None, minutes: float | None) -> TrainArgs:
-    every = max(1, (steps or 200) // EVALS_PER_RUN)  # K3 under a time budget: about 200 steps expected
-    return TrainArgs(task="text", preset=args.preset, data=args.data, steps=steps, minutes=minutes, out=str(run),
+def _train_args(args: AblationArgs, variant: Variant, run: Path, steps: int) -> TrainArgs:
+    every = max(1, steps // EVALS_PER_RUN)
+    return TrainArgs(task="text", preset=args.preset, data=args.data, steps=steps, out=str(run),
                      seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup_frac=args.warmup_frac,
                      eval_every=every, eval_batches=args.eval_batches, checkpoint_every=4 * every, seed=args.seed,
                      balancer=variant.balancer, muon_per_head=variant.muon_per_head,
                      overrides=variant_config(args, variant))
+
+
+def budget_flops(args: AblationArgs) -> float:
+    """The FLOPs of every variant for a `budget_minutes` ablation: as many K3 steps as fit in K3's share of the
+    budget (at the pace of `TIMED_STEPS` timed steps, `TRAINING_SHARE` of it for training), times K3's FLOPs per
+    step."""
+    k3 = VARIANTS["k3"]
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer = Trainer(_train_args(args, k3, Path(scratch) / "k3", 10 * (TIMED_STEPS + 1)))
+        trainer.train_step()  # warm-up: first-call allocations
+        started = perf_counter()
+        for _ in range(TIMED_STEPS):
+            trainer.train_step()
+        pace = (perf_counter() - started) / TIMED_STEPS
+    steps = max(2, int(TRAINING_SHARE * 60 * args.budget_minutes / len(args.variants) / pace))
+    return float(steps * flops_per_step(args, k3))
 
 
 def ablate(args: AblationArgs) -> dict:
@@ -128,6 +149,9 @@ def ablate(args: AblationArgs) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     state = _load_state(out, args)
+    if state["flops"] is None:  # a --budget-minutes ablation, not started yet
+        state["flops"] = budget_flops(args)
+        _save_state(out, state)
     bar = tqdm(args.variants, desc="ablate", dynamic_ncols=True)
     for name in bar:
         bar.set_postfix(variant=name)
@@ -138,11 +162,8 @@ def ablate(args: AblationArgs) -> dict:
         per_step = flops_per_step(args, variant)
         if latest_checkpoint(out / name) is not None:
             train_args = TrainArgs(out=str(out / name), resume=True)
-        elif name == "k3" and state["flops"] is None:
-            train_args = _train_args(args, variant, out / name, None, args.budget_minutes / len(args.variants))
         else:
-            steps = max(1, round(state["flops"] / per_step))
-            train_args = _train_args(args, variant, out / name, steps, None)
+            train_args = _train_args(args, variant, out / name, max(2, round(state["flops"] / per_step)))
         summary = Trainer(train_args).run()
         if summary["stopped_by"]:
             state["stopped_by"] = summary["stopped_by"]
@@ -151,8 +172,6 @@ def ablate(args: AblationArgs) -> dict:
         run.update(done=True, steps=summary["step"], flops_per_step=per_step, flops=summary["step"] * per_step,
                    tokens=summary["step"] * args.batch_size * args.seq_len, final_val_loss=summary["final_val_loss"],
                    curve=_curve(out / name, per_step))
-        if name == "k3" and state["flops"] is None:
-            state["flops"] = run["flops"]
         _save_state(out, state)
     state["stopped_by"] = None
     state["results"] = results(state, args.variants)

@@ -27,7 +27,7 @@ from k3.fileio import atomic_write
 from k3.model.accounting import count_parameters, forward_flops_per_token, meta_model
 from k3.train import plots
 from k3.train.args import TrainArgs
-from k3.train.checkpoint import latest_checkpoint
+from k3.train.checkpoint import checkpoint_candidates
 from k3.train.trainer import Trainer
 
 STATE_FILE = "ablation.json"
@@ -160,7 +160,7 @@ def ablate(args: AblationArgs) -> dict:
             continue
         variant = VARIANTS[name]
         per_step = flops_per_step(args, variant)
-        if latest_checkpoint(out / name) is not None:
+        if checkpoint_candidates(out / name):  # a paused or interrupted run: continue it
             train_args = TrainArgs(out=str(out / name), resume=True)
         else:
             train_args = _train_args(args, variant, out / name, max(2, round(state["flops"] / per_step)))

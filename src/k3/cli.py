@@ -29,7 +29,7 @@ from k3.config import PRESETS, K3Config
 from k3.fileio import describe_error
 from k3.inference import generate
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
-from k3.model.accounting import architecture_report, published_comparison
+from k3.model.accounting import architecture_report, human, published_comparison
 from k3.runtime import keep_freed_memory
 from k3.tokenizer import K3Tokenizer
 
@@ -45,13 +45,6 @@ def load_config(preset_or_path: str) -> K3Config:
         return K3Config.from_json(preset_or_path)
     raise ValueError(f"{preset_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
                      "nor a checkpoint directory / config.json")
-
-
-def _human(n: float, unit: str = "") -> str:
-    for scale, suffix in ((1e12, " T"), (1e9, " B" if not unit else " G"), (1e6, " M"), (1e3, " K")):
-        if n >= scale:
-            return f"{n / scale:.2f}{suffix}{unit}"
-    return f"{n:.0f} {unit}".rstrip()
 
 
 def _forms(c: K3Config) -> dict[str, str]:
@@ -89,7 +82,7 @@ def print_info(name: str, config: K3Config, r: dict) -> None:
     for key, v in r["components"].items():
         print(f"  {_LABELS[key]:<32} {v['total']:>20,} {v['activated']:>20,}")
     print(f"  {'text model':<32} {r['total_params']:>20,} {r['activated_params']:>20,}"
-          f"   ({_human(r['total_params'])} / {_human(r['activated_params'])})")
+          f"   ({human(r['total_params'])} / {human(r['activated_params'])})")
     vision = config.vision_config
     if vision is not None:
         v = r["vision_params"]
@@ -110,21 +103,21 @@ def print_info(name: str, config: K3Config, r: dict) -> None:
         print(f"  KDA short-conv windows       {r['kda_conv_bytes_per_sequence_bf16'] / 1e6:,.1f} MB")
     for k, b in r["cache_bytes_per_sequence"].items():
         flops = r["forward_flops_per_token"][k]
-        print(f"  at {k:>4} tokens: cache {b / 1e9:8.2f} GB   forward {_human(flops, 'FLOP')}/token")
+        print(f"  at {k:>4} tokens: cache {b / 1e9:8.2f} GB   forward {human(flops, 'FLOP')}/token")
     if name != "kimi-k2":
         _print_k2_comparison(name, c, r)
 
 
 def _print_published(p: dict) -> None:
     """The launch figures beside the exact counts, and the conventions that explain a difference (§14.1)."""
-    quoted = f"{_human(p['quoted_total'])} total, {_human(p['quoted_activated'])} activated"
+    quoted = f"{human(p['quoted_total'])} total, {human(p['quoted_activated'])} activated"
     print(f"\nAgainst the launch figures ({quoted})")
     rows = [("exact count (input embedding not activated)", p["total"], p["activated"]),
             ("input embedding counted as activated", p["total"], p["activated_with_embedding"]),
             (f"plus one MTP layer ({p['mtp_layer_total']:,} / {p['mtp_layer_activated']:,})", p["total_with_mtp"],
              p["activated_with_mtp"])]
     for label, total, activated in rows:
-        print(f"  {label:<58} {total:>20,} {activated:>16,}   ({_human(total)} / {_human(activated)})")
+        print(f"  {label:<58} {total:>20,} {activated:>16,}   ({human(total)} / {human(activated)})")
 
 
 def _print_k2_comparison(name: str, c: K3Config, r: dict) -> None:
@@ -137,8 +130,8 @@ def _print_k2_comparison(name: str, c: K3Config, r: dict) -> None:
         forms = _forms(config)
         mixing = f"{report['kda_layers']} KDA : {report['mla_layers']} {forms['mla']}" if report["kda_layers"] \
             else f"{forms['mla']} in all {report['mla_layers']} layers"
-        rows[key] = {"layers": str(config.num_hidden_layers), "total params": _human(report["total_params"]),
-                     "activated params": _human(report["activated_params"]),
+        rows[key] = {"layers": str(config.num_hidden_layers), "total params": human(report["total_params"]),
+                     "activated params": human(report["activated_params"]),
                      "context": f"{config.extra.get('max_position_embeddings', 1048576):,}",
                      "sequence mixing": mixing, "depth mixing": "Block AttnRes" if config.use_block_attn_res
                      else "residual", "routed experts": forms["moe"].split(": ")[-1],

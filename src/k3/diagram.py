@@ -20,7 +20,8 @@ from matplotlib.patches import FancyBboxPatch, Rectangle  # noqa: E402
 
 from k3.config import K3Config  # noqa: E402
 from k3.fileio import atomic_path  # noqa: E402
-from k3.model.accounting import CONTEXTS, architecture_report, attn_res_sources, component_of, meta_model  # noqa: E402
+from k3.model.accounting import (  # noqa: E402
+    CONTEXTS, architecture_report, attn_res_sources, component_of, human, meta_model)
 
 FORMATS = (".svg", ".png", ".pdf")
 COLORS = {"kda": "#4C78A8", "mla": "#F58518", "dense": "#54A24B", "moe": "#B279A2"}
@@ -48,13 +49,6 @@ def budget(config: K3Config, model: torch.nn.Module, report: dict) -> dict[str, 
         parts[k] = [n, n]
     parts["vision"] = [sum(report["vision_params"].values()), 0]
     return {k: (parts[k][0], parts[k][1]) for k in BUDGET_PARTS}
-
-
-def _human(n: float) -> str:
-    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.2f} {suffix}"
-    return f"{n:.0f}"
 
 
 def _bytes(n: float) -> str:
@@ -181,7 +175,7 @@ def _budget(ax, config: K3Config, report: dict, parts: dict[str, tuple[int, int]
     for r, (name, values) in enumerate(rows):
         y, s = 0.175 - r * 0.05, sum(values.values())
         ax.text(0.03, y + 0.015, name, va="center", fontsize=7.5, weight="bold")
-        ax.text(0.595, y + 0.015, f"{s:,}\n({_human(s)})", va="center", fontsize=7)
+        ax.text(0.595, y + 0.015, f"{s:,}\n({human(s)})", va="center", fontsize=7)
         x = 0.10
         for key, n in values.items():
             width = 0.49 * n / s
@@ -197,7 +191,7 @@ def _budget(ax, config: K3Config, report: dict, parts: dict[str, tuple[int, int]
         x, y = 0.715 + col * 0.14, 0.21 - row * 0.027
         ax.add_patch(Rectangle((x, y - 0.006), 0.009, 0.012, fc=BUDGET_PARTS[key][1], ec="none"))
         label = "norms" if key == "norms_attn_res" and not config.use_block_attn_res else BUDGET_PARTS[key][0]
-        ax.text(x + 0.013, y, f"{label} {_human(parts[key][0])}", va="center", fontsize=6.5)
+        ax.text(x + 0.013, y, f"{label} {human(parts[key][0])}", va="center", fontsize=6.5)
     caches = "   ".join(f"{name}: {_bytes(report['cache_bytes_per_sequence'][name])}" for name in CONTEXTS)
     state = f", fp32 KDA state {_bytes(report['kda_state_bytes_per_sequence_fp32'])}" \
         if report["kda_layers"] else ""
@@ -215,7 +209,7 @@ def draw(config: K3Config, name: str) -> plt.Figure:
     ax.set_ylim(0, 1)
     ax.axis("off")
     ax.text(0.03, 0.965, f"{name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocabulary "
-            f"{config.vocab_size:,}; {_human(report['total_params'])} parameters, {_human(report['activated_params'])} "
+            f"{config.vocab_size:,}; {human(report['total_params'])} parameters, {human(report['activated_params'])} "
             "activated", fontsize=12, weight="bold", va="center")
     _layer_stack(ax, config, report)
     _panels(ax, config, report)

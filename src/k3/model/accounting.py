@@ -106,6 +106,14 @@ def forward_flops_per_token(config: K3Config, params: ParamCount, context: int) 
     return matmul + mla + kda
 
 
+def human(n: float, unit: str = "") -> str:
+    """A count for people: 2.78 T, 104.19 B, 5.05 M; with a `unit`, G for 10⁹ (212.23 GFLOP)."""
+    for scale, suffix in ((1e12, " T"), (1e9, " B" if not unit else " G"), (1e6, " M"), (1e3, " K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}{unit}"
+    return f"{n:.0f} {unit}".rstrip()
+
+
 def attn_res_sources(config: K3Config) -> tuple[list[int], int]:
     """How many sources Block AttnRes mixes (§5.3): per layer, the mix before its FFN (the embedding, the completed
     block sums, the current block's partial sum), and the output mix; ([], 0) without Block AttnRes."""

@@ -270,8 +270,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     baselines = ", ".join(f"{label} {value:.3f}" for label, value in summary["reference_losses"].items())
     reference = f" (baselines: {baselines})" if baselines else ""
+    scored = f" on {summary['val_tokens']:,} held-out tokens" if summary.get("val_tokens") else ""
     print(f"validation loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} nats/token"
-          f"{reference} after {summary['step']} steps")
+          f"{scored}{reference} after {summary['step']} steps")
     if summary["caption_accuracy"] is not None:
         print(f"caption exact match on {summary['eval_images']} held-out images: "
               f"{100 * summary['caption_accuracy']:.1f} % (chance {100 * summary['chance_accuracy']:.2f} %)")

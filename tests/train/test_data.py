@@ -22,7 +22,7 @@ from k3.train import data as D
 from k3.train.data import (
     Batches,
     Document,
-    bigram_cross_entropy,
+    BigramModel,
     PackedDataset,
     encode_documents,
     get_tokenizer,
@@ -32,6 +32,7 @@ from k3.train.data import (
     shakespeare_documents,
     split_documents,
     unigram_entropy,
+    spread_rows,
     validation_batches,
 )
 
@@ -314,6 +315,32 @@ def test_validation_batches_cover_every_row_in_order():
     assert [b["input_ids"].shape[0] for b in batches] == [3, 3, 2]
     assert torch.equal(torch.cat([b["input_ids"] for b in batches]), ds.input_ids_BT)
     assert torch.equal(torch.cat([b["labels"] for b in validation_batches(ds, 3)]), ds.labels_BT)
+    rows = [0, 2, 4, 7]  # or only the given rows, in the given order
+    assert torch.equal(torch.cat([b["input_ids"] for b in validation_batches(ds, 3, rows)]), ds.input_ids_BT[rows])
+
+
+def test_spread_rows_cover_the_whole_range_evenly():
+    assert spread_rows(10).tolist() == list(range(10)) and spread_rows(10, 10).tolist() == list(range(10))
+    assert spread_rows(10, 25).tolist() == list(range(10))
+    assert spread_rows(10, 1).tolist() == [0]
+    assert spread_rows(336, 128)[[0, -1]].tolist() == [0, 335]  # the first and the last held-out work
+    for n, k in ((336, 128), (7, 6), (1000, 3), (5, 2)):
+        rows = spread_rows(n, k)
+        assert len(rows) == k and (np.diff(rows) > 0).all() and np.diff(rows).max() - np.diff(rows).min() <= 1
+
+
+def test_segments_are_the_runs_a_model_scores():
+    """Rows cut at document boundaries, padding dropped: the bigram's pairs are exactly the (input, target)
+    pairs the model's loss keeps (K3ForCausalLM drops targets across a boundary and on padding)."""
+    docs = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    ds = PackedDataset(docs, 4, pad_token_id=0)  # rows: 1 2 3 4 | 5 6 7 8 | 9 10 11 pad
+    assert [r.tolist() for r in ds.segments()] == [[1, 2, 3, 4], [5], [6, 7], [8], [9, 10, 11]]
+    assert [r.tolist() for r in ds.segments([2, 0])] == [[9, 10, 11], [1, 2, 3, 4]]
+    b = ds.batch(range(len(ds)))
+    keep = (b["document_ids"][:, 1:] == b["document_ids"][:, :-1]) & (b["labels"][:, 1:] != -100)
+    targets = sorted(zip(b["input_ids"][:, :-1][keep].tolist(), b["labels"][:, 1:][keep].tolist()))
+    pairs = sorted((int(a), int(c)) for r in ds.segments() for a, c in zip(r[:-1], r[1:]))
+    assert pairs == targets
 
 
 # ------------------------------------------------------------------------------------------------ split
@@ -362,11 +389,12 @@ def test_bigram_cross_entropy_by_hand():
     p_1_after_0 = 3 / 5 * 2 / 3 + 2 / 5 * p_uni(1)
     p_3_after_1 = 1 / 2 * 0 + 1 / 2 * p_uni(3)  # 1 is followed once (by 0): λ_1 = 1/2, c(1, 3) = 0
     expected = -(math.log(p_1_after_0) + math.log(p_3_after_1)) / 2
-    assert bigram_cross_entropy(train, [[0, 1, 3], [2]], V) == pytest.approx(expected, rel=1e-12)
+    bigram = BigramModel(train, V)
+    assert bigram.cross_entropy([[0, 1, 3], [2]]) == pytest.approx(expected, rel=1e-12)
     # an unseen context backs off to the unigram entirely; a one-token document predicts nothing
-    assert bigram_cross_entropy(train, [[3, 0]], V) == pytest.approx(-math.log(p_uni(0)))
-    with pytest.raises(ValueError):
-        bigram_cross_entropy(train, [[1]], V)
+    assert bigram.cross_entropy([[3, 0]]) == pytest.approx(-math.log(p_uni(0)))
+    with pytest.raises(ValueError, match="no token to score"):
+        bigram.cross_entropy([[1]])
 
 
 def test_bigram_is_a_distribution_and_beats_the_unigram_on_structured_text():
@@ -375,10 +403,11 @@ def test_bigram_is_a_distribution_and_beats_the_unigram_on_structured_text():
     g = np.random.default_rng(0)
     V = 12
     docs = [list(np.repeat(g.integers(0, V // 2, 200) * 2, 2) + np.tile([0, 1], 200)) for _ in range(5)]
+    bigram = BigramModel(docs[:4], V)
     for a in range(V):  # Σ_b p(b | a) = 1: the loss of a one-pair document is −log p(b | a)
-        total = sum(math.exp(-bigram_cross_entropy(docs[:4], [[a, b]], V)) for b in range(V))
+        total = sum(math.exp(-bigram.cross_entropy([[a, b]])) for b in range(V))
         assert total == pytest.approx(1.0, rel=1e-9)
-    assert bigram_cross_entropy(docs[:4], docs[4:], V) < unigram_entropy(docs[4:]) - 0.5
+    assert bigram.cross_entropy(docs[4:]) < unigram_entropy(docs[4:]) - 0.5
 
 
 def test_prepare_data(tmp_path):

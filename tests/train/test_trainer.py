@@ -57,6 +57,20 @@ def test_outputs_and_learning(corpus, tmp_path):
     assert not any(p.name.startswith(".tmp") for p in (tmp_path / "checkpoints").iterdir())
 
 
+def test_evaluation_rows_spread_over_the_held_out_set_and_the_bigram_scores_the_same_tokens(corpus, tmp_path):
+    """Every evaluation scores `eval_batches` × `batch_size` validation rows spread from the first to the last
+    row (not the first rows: one work); the bigram baseline is scored on exactly those tokens."""
+    trainer = Trainer(_args(corpus, tmp_path, eval_batches=2, batch_size=2))
+    task = trainer.task
+    n = len(task.data.val)
+    assert n > 4 and len(task.eval_rows) == 4 and task.eval_rows[0] == 0 and task.eval_rows[-1] == n - 1
+    runs = task.data.val.segments(task.eval_rows)
+    assert task.references["smoothed bigram (held out)"] == task.data.bigram.cross_entropy(runs)
+    assert trainer.evaluate()["val_tokens"] == task.eval_tokens == sum(len(r) - 1 for r in runs)
+    whole = Trainer(_args(corpus, tmp_path / "all", eval_batches=n)).task  # enough batches: every row
+    assert whole.eval_rows.tolist() == list(range(n))
+
+
 def test_killed_run_resumes_from_last_checkpoint(corpus, tmp_path):
     """A half-written checkpoint (as after SIGKILL) is ignored: `latest` still points at the complete one."""
     train(_args(corpus, tmp_path, stop_after=2))

@@ -70,7 +70,8 @@ __all__ = [
     "shakespeare_documents",
     "split_documents",
     "unigram_entropy",
-    "bigram_cross_entropy",
+    "BigramModel",
+    "spread_rows",
     "validation_batches",
 ]
 
@@ -400,6 +401,18 @@ class PackedDataset:
         return {"input_ids": self.input_ids_BT[index_B], "labels": self.labels_BT[index_B],
                 "document_ids": self.document_ids_BT[index_B]}
 
+    def segments(self, rows: Sequence[int] | None = None) -> list[np.ndarray]:
+        """The token runs a model's loss scores in `rows` (default: every row): each row cut at its document
+        boundaries, padding dropped. A model trained on these rows predicts every token of a run but the first
+        from the tokens before it in the run, so a baseline scored on the runs sees exactly its targets."""
+        runs = []
+        for r in range(len(self)) if rows is None else rows:
+            ids_T, doc_T = self.input_ids_BT[r].numpy(), self.document_ids_BT[r].numpy()
+            real_T = self.labels_BT[r].numpy() != IGNORE_INDEX
+            cuts = np.flatnonzero(np.diff(doc_T)) + 1
+            runs += [ids[real] for ids, real in zip(np.split(ids_T, cuts), np.split(real_T, cuts)) if real.any()]
+        return runs
+
 
 class Batches:
     """An endless, deterministic, resumable stream of training batches from a `PackedDataset`.
@@ -456,10 +469,21 @@ class Batches:
         self._order_epoch = None
 
 
-def validation_batches(dataset: PackedDataset, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Every row of `dataset` once, in order, `batch_size` rows per batch (the last batch may be smaller)."""
-    for start in range(0, len(dataset), batch_size):
-        yield dataset.batch(range(start, min(start + batch_size, len(dataset))))
+def spread_rows(n: int, k: int | None = None) -> np.ndarray:
+    """`k` row indices spread evenly over `range(n)`, increasing, first and last included (all `n` rows when
+    `k` is None or at least `n`): an evaluation sample that covers every held-out work, not only the first."""
+    if k is None or k >= n:
+        return np.arange(n)
+    return np.linspace(0, n - 1, k).round().astype(np.int64)
+
+
+def validation_batches(dataset: PackedDataset, batch_size: int,
+                       rows: Sequence[int] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """The `rows` of `dataset` (default: every row) once, in order, `batch_size` rows per batch (the last batch
+    may be smaller)."""
+    rows = range(len(dataset)) if rows is None else rows
+    for start in range(0, len(rows), batch_size):
+        yield dataset.batch(rows[start:start + batch_size])
 
 
 def unigram_entropy(token_docs: Sequence[Sequence[int]]) -> float:
@@ -476,34 +500,44 @@ def unigram_entropy(token_docs: Sequence[Sequence[int]]) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def bigram_cross_entropy(train_docs: Sequence[Sequence[int]], val_docs: Sequence[Sequence[int]],
-                         vocab_size: int) -> float:
-    """Held-out loss, in nats per predicted token, of a smoothed count-based bigram model fitted on `train_docs`:
-    the baseline a language model must beat to show it uses more than the previous token.
+class BigramModel:
+    """A smoothed count-based bigram model: the baseline a language model must beat to show it uses more than the
+    previous token.
 
     Witten–Bell interpolation with an add-one unigram: p(b | a) = λ_a·c(a, b)/c(a) + (1 − λ_a)·p(b),
     λ_a = c(a)/(c(a) + n(a)), n(a) the number of distinct tokens seen after a (λ_a = 0 for an unseen a);
-    p(b) = (c(b) + 1)/(N + V). Scored on every pair of consecutive tokens inside a validation document.
+    p(b) = (c(b) + 1)/(N + V). Counts come from the pairs of consecutive tokens inside each training sequence.
     """
-    def pairs(docs):
-        return np.concatenate([np.asarray(d[:-1], np.int64) * vocab_size + np.asarray(d[1:], np.int64)
+
+    def __init__(self, train_docs: Sequence[Sequence[int]], vocab_size: int):
+        self.vocab_size = vocab_size
+        tokens = np.concatenate([np.asarray(d, np.int64) for d in train_docs] or [np.zeros(0, np.int64)])
+        self.p_unigram = (np.bincount(tokens, minlength=vocab_size) + 1.0) / (tokens.size + vocab_size)
+        self.pair_ids, self.pair_counts = np.unique(self._pairs(train_docs), return_counts=True)
+        context = self.pair_ids // vocab_size
+        self.after_A = np.bincount(context, weights=self.pair_counts, minlength=vocab_size)  # c(a) as a context
+        self.distinct_A = np.bincount(context, minlength=vocab_size)  # n(a)
+
+    def _pairs(self, docs: Sequence[Sequence[int]]) -> np.ndarray:
+        V = self.vocab_size
+        return np.concatenate([np.asarray(d[:-1], np.int64) * V + np.asarray(d[1:], np.int64)
                                for d in docs if len(d) > 1] or [np.zeros(0, np.int64)])
 
-    train_AB, val_AB = pairs(train_docs), pairs(val_docs)
-    if val_AB.size == 0:
-        raise ValueError("no validation token has a predecessor in its document")
-    tokens = np.concatenate([np.asarray(d, np.int64) for d in train_docs])
-    p_unigram = (np.bincount(tokens, minlength=vocab_size) + 1.0) / (tokens.size + vocab_size)
-    pair_ids, pair_counts = np.unique(train_AB, return_counts=True)
-    after_A = np.bincount(pair_ids // vocab_size, weights=pair_counts, minlength=vocab_size)  # c(a) as a context
-    distinct_A = np.bincount(pair_ids // vocab_size, minlength=vocab_size)  # n(a)
-    prev, nxt = val_AB // vocab_size, val_AB % vocab_size
-    where = np.searchsorted(pair_ids, val_AB).clip(max=max(pair_ids.size - 1, 0))
-    c_ab = np.where(pair_ids[where] == val_AB, pair_counts[where], 0) if pair_ids.size else np.zeros(val_AB.size)
-    c_a, n_a = after_A[prev], distinct_A[prev]
-    lam = np.divide(c_a, c_a + n_a, out=np.zeros_like(c_a), where=c_a > 0)
-    p = lam * np.divide(c_ab, c_a, out=np.zeros_like(c_a), where=c_a > 0) + (1 - lam) * p_unigram[nxt]
-    return float(-np.log(p).mean())
+    def cross_entropy(self, docs: Sequence[Sequence[int]]) -> float:
+        """Mean loss, in nats, of predicting every token of `docs` from the one before it in its sequence (the
+        first token of a sequence is not predicted, as in a language model's loss)."""
+        val_AB = self._pairs(docs)
+        if val_AB.size == 0:
+            raise ValueError("no token to score: every sequence is shorter than 2 tokens")
+        pair_ids, V = self.pair_ids, self.vocab_size
+        prev, nxt = val_AB // V, val_AB % V
+        where = np.searchsorted(pair_ids, val_AB).clip(max=max(pair_ids.size - 1, 0))
+        c_ab = np.where(pair_ids[where] == val_AB, self.pair_counts[where], 0) if pair_ids.size \
+            else np.zeros(val_AB.size)
+        c_a, n_a = self.after_A[prev], self.distinct_A[prev]
+        lam = np.divide(c_a, c_a + n_a, out=np.zeros_like(c_a), where=c_a > 0)
+        p = lam * np.divide(c_ab, c_a, out=np.zeros_like(c_a), where=c_a > 0) + (1 - lam) * self.p_unigram[nxt]
+        return float(-np.log(p).mean())
 
 
 # ------------------------------------------------------------------------------------------------ all of it
@@ -521,8 +555,8 @@ class PreparedData:
     val_tokens: int
     unigram_entropy: float
     """Of the training tokens, nats per token: the loss a context-free model would reach."""
-    bigram_loss: float | None
-    """`bigram_cross_entropy` of the split: the held-out loss of a smoothed bigram model (None: no validation pair)."""
+    bigram: BigramModel
+    """Fitted on the training documents; score it on the tokens a model is evaluated on (`PackedDataset.segments`)."""
 
 
 def prepare_data(data_path: str | os.PathLike | None, vocab_size: int, seq_len: int, *,
@@ -550,6 +584,5 @@ def prepare_data(data_path: str | os.PathLike | None, vocab_size: int, seq_len: 
         train_tokens=sum(map(len, train_docs)),
         val_tokens=sum(map(len, val_docs)),
         unigram_entropy=unigram_entropy(train_docs),
-        bigram_loss=bigram_cross_entropy(train_docs, val_docs, tokenizer.vocab_size)
-        if any(len(d) > 1 for d in val_docs) else None,
+        bigram=BigramModel(train_docs, tokenizer.vocab_size),
     )

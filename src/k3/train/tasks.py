@@ -26,7 +26,7 @@ from k3.fileio import atomic_path, atomic_write
 from k3.tokenizer import K3Tokenizer, train_bpe
 from k3.train import plots
 from k3.train.checkpoint import IncompatibleResume
-from k3.train.data import Batches, corpus_fingerprint, prepare_data, validation_batches
+from k3.train.data import Batches, corpus_fingerprint, prepare_data, spread_rows, validation_batches
 from k3.train.shapes import all_captions, caption, render, scene_for
 from k3.vision.processor import K3Processor, process_image
 
@@ -41,7 +41,7 @@ class TextTask:
     default_lr = 0.03  # tuned on the k3-tiny Shakespeare demo
 
     def __init__(self, config: K3Config, *, data: str | None, seq_len: int, batch_size: int, seed: int,
-                 cache_dir: str | None = None):
+                 cache_dir: str | None = None, eval_batches: int | None = None):
         self.batch_size = batch_size
         self.data = prepare_data(data, config.vocab_size, seq_len, cache_dir=cache_dir, seed=seed)
         if len(self.data.train) < batch_size:
@@ -51,15 +51,21 @@ class TextTask:
         self.batches = Batches(self.data.train, batch_size, seed=seed)
         self.source = "the default corpus" if data is None else repr(data)
         self.corpus_sha256 = corpus_fingerprint([d.text for d in self.data.documents])
-        # baselines (nats/token): a context-free model, and a smoothed bigram model on the held-out works
+        # every evaluation scores the same validation rows: `eval_batches` batches' worth spread evenly over the
+        # held-out works (all of them when None), so that its loss is not the loss of whichever work comes first
+        self.eval_rows = spread_rows(len(self.data.val), None if eval_batches is None else eval_batches * batch_size)
+        self.eval_tokens = sum(len(run) - 1 for run in self.data.val.segments(self.eval_rows))
+        # baselines (nats/token): a context-free model, and a smoothed bigram model scored on the same held-out
+        # tokens as the model
         self.references = {"unigram entropy": self.data.unigram_entropy}
-        if self.data.bigram_loss is not None:
-            self.references["smoothed bigram (held out)"] = self.data.bigram_loss
+        if self.eval_tokens:
+            self.references["smoothed bigram (held out)"] = self.data.bigram.cross_entropy(
+                self.data.val.segments(self.eval_rows))
 
     @classmethod
     def from_args(cls, config: K3Config, args) -> TextTask:
         return cls(config, data=args.data, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
-                   cache_dir=args.cache_dir)
+                   cache_dir=args.cache_dir, eval_batches=args.eval_batches)
 
     def next_batch(self, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
         """The next batch of the stream, or its `rows` (every rank draws the same batch)."""
@@ -71,7 +77,8 @@ class TextTask:
         return batch["labels"] != IGNORE_INDEX
 
     def val_batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        return validation_batches(self.data.val, self.batch_size)
+        """The evaluation rows (`eval_rows`), `batch_size` at a time."""
+        return validation_batches(self.data.val, self.batch_size, self.eval_rows)
 
     def evaluate(self, model) -> dict[str, float]:
         return {}

@@ -42,7 +42,6 @@ from k3.fileio import atomic_directory, atomic_write, check_writable_directory, 
     remove_stale_temporaries
 from k3.model.k3 import K3Model
 from k3.model.observer import attach, detach
-from k3.ops.loss import IGNORE_INDEX
 from k3.optim import MaxLogitRecorder, cosine_with_warmup, make_optimizers, mla_layers, qk_clip_, set_lr, wsd
 from k3.parallel.distributed import Distributed, rank_rows
 from k3.parallel.fsdp import gathered, parallelize
@@ -385,19 +384,19 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Token-weighted mean validation loss over up to `eval_batches` batches (router biases frozen), plus
-        the task's own metrics (caption accuracy for shapes). Under torchrun every rank evaluates the same
-        batches (the forwards are collective); rank 0's numbers are reported."""
+        """Token-weighted mean validation loss over the task's evaluation batches, at most `eval_batches` of them
+        (router biases frozen), the number of tokens it scored, and the task's own metrics (caption accuracy for
+        shapes). Under torchrun every rank evaluates the same batches (the forwards are collective); rank 0's
+        numbers are reported."""
         self.model.eval()
         total, count = 0.0, 0
         for i, batch in enumerate(self.task.val_batches()):
             if i == self.args.eval_batches:
                 break
-            batch = {k: v.to(self.device) for k, v in batch.items()}
-            n = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-            loss = self.model(**batch).loss
-            total, count = total + loss.item() * n, count + n
-        return {"val_loss": total / max(count, 1), **self.task.evaluate(self.model)}
+            out = self.model(**{k: v.to(self.device) for k, v in batch.items()})
+            n = int(out.loss_tokens)  # the targets the loss kept (none across a document boundary)
+            total, count = total + out.loss.item() * n, count + n
+        return {"val_loss": total / max(count, 1), "val_tokens": count, **self.task.evaluate(self.model)}
 
     # ------------------------------------------------------------------------------------------ the run
     def save(self, final: bool = True) -> Path | None:
@@ -551,6 +550,7 @@ class Trainer:
         last_eval = next(m for m in reversed(self.history) if "val_loss" in m)
         return {"task": self.task.name, "step": self.step, "total_steps": self.total_steps, "finished": finished,
                 "stopped_by": stopped_by, "initial_val_loss": initial_val, "final_val_loss": last_eval["val_loss"],
+                "val_tokens": last_eval.get("val_tokens"),
                 "reference_losses": self.task.references, "caption_accuracy": last_eval.get("caption_accuracy"),
                 "eval_images": self.args.eval_images, "chance_accuracy": getattr(self.task, "chance", None),
                 "resumes": self.resumes, "model_dir": str(self.export()) if finished else None,

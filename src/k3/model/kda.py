@@ -16,6 +16,7 @@ from k3.model.cache import KDACache, StepContext
 from k3.ops.norm import RMSNorm, l2_normalize, rms_normalize
 from k3.ops.precision import KeepFP32, fp32
 from k3.ops.kda import chunk_kda, recurrent_kda
+from k3.ops.kda.gpu import fla_kda, use_fla
 from k3.ops.kda.varlen import chunk_kda_by_document, kda_by_document
 
 
@@ -149,7 +150,10 @@ class KimiDeltaAttention(KeepFP32):
             beta_BTH = beta_BTH.masked_fill(~valid_BT1, 0)
         state = None if cache is None else cache.recurrent_state_BHKV
         op = recurrent_kda if self.config.kda_impl == "recurrent" else chunk_kda
-        if documents is not None and op is recurrent_kda:  # packed rows: every document starts from zero
+        if use_fla(self.config.kda_impl, x_BTD.device):  # the GPU fast path (§3.11)
+            o_BTHK, state = fla_kda(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, initial_state=state,
+                                    output_final_state=cache is not None, document_ids=documents)
+        elif documents is not None and op is recurrent_kda:  # packed rows: every document starts from zero
             o_BTHK = kda_by_document(op, q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, documents)
         elif documents is not None:
             o_BTHK = chunk_kda_by_document(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, documents,

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.optim._muon as torch_muon
 
-from k3.optim.muon import Muon, newton_schulz5
+from k3.optim.muon import Muon, newton_schulz5, orthogonalized_update, orthogonalized_updates
 
 FP32_NS = dict(ns_dtype=torch.float32)
 
@@ -45,6 +45,19 @@ def test_ns5_batched_equals_per_matrix():
         for i in range(2):
             for j in range(3):
                 torch.testing.assert_close(O[i, j], newton_schulz5(U[i, j], **FP32_NS), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split, sizes", [("none", ()), ("rows", (32,)), ("rows", (32, 16)), ("cols", (16,))])
+def test_updates_of_several_tensors_equal_each_alone(ns_dtype, split, sizes):
+    """Muon orthogonalises all blocks of one shape in a group with one batched call: bit for bit what each
+    tensor gets on its own (distinct shapes, a batch axis, blocks of two sizes)."""
+    gen = torch.Generator().manual_seed(0)
+    Us = [torch.randn(96, 48, generator=gen), torch.randn(3, 96, 48, generator=gen),
+          torch.randn(192, 48, generator=gen), torch.randn(288, 96, generator=gen)]
+    together = orthogonalized_updates(Us, split, sizes, ns_dtype=ns_dtype)
+    for U, O in zip(Us, together):
+        assert O.shape == U.shape and torch.equal(O, orthogonalized_update(U, split, sizes, ns_dtype=ns_dtype))
 
 
 def test_ns5_matches_torch_in_bf16():

@@ -123,10 +123,25 @@ def orthogonalized_update(U: torch.Tensor, split: str = "none", split_sizes: Ite
     Each block is normalised by its own Frobenius norm and scaled by its own shape. `ns_options` go to
     `newton_schulz5` (steps, eps, coefficients, ns_dtype).
     """
-    O = torch.empty_like(U, memory_format=torch.contiguous_format)  # its block views are views, not copies
-    for U_blk, O_blk in zip(block_views(U, split, split_sizes), block_views(O, split, split_sizes)):
-        O_blk.copy_(update_scale(*U_blk.shape[-2:], adjust_lr) * newton_schulz5(U_blk, **ns_options))
-    return O
+    return orthogonalized_updates([U], split, split_sizes, adjust_lr, **ns_options)[0]
+
+
+def orthogonalized_updates(Us: list[torch.Tensor], split: str = "none", split_sizes: Iterable[int] = (),
+                           adjust_lr: str = "match_rms_adamw", **ns_options: Any) -> list[torch.Tensor]:
+    """`orthogonalized_update` of several tensors with one block view: the blocks of one shape, from all of them,
+    go through one batched Newton–Schulz call (a few large matmuls instead of many small ones; every block is
+    still normalised, iterated and scaled on its own)."""
+    outs = [torch.empty_like(U, memory_format=torch.contiguous_format) for U in Us]  # block views are views
+    by_shape: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for U, O in zip(Us, outs):
+        for U_blk, O_blk in zip(block_views(U, split, split_sizes), block_views(O, split, split_sizes)):
+            by_shape.setdefault(tuple(U_blk.shape[-2:]), []).append((U_blk, O_blk))
+    for (A, B), blocks in by_shape.items():
+        U_Xab = torch.cat([U_blk.reshape(-1, A, B) for U_blk, _ in blocks])
+        O_Xab = update_scale(A, B, adjust_lr) * newton_schulz5(U_Xab, **ns_options)
+        for (_, O_blk), O_piece in zip(blocks, O_Xab.split([O_blk[..., 0, 0].numel() for _, O_blk in blocks])):
+            O_blk.copy_(O_piece.view(O_blk.shape))
+    return outs
 
 
 class Muon(torch.optim.Optimizer):
@@ -181,6 +196,7 @@ class Muon(torch.optim.Optimizer):
         exchange = _OwnerExchange()
         for group in self.param_groups:
             lr, mu = group["lr"], group["momentum"]
+            local = []  # (W, U) of the group's plain tensors: orthogonalised together, one batch per block shape
             for W in group["params"]:
                 if W.grad is None:
                     continue
@@ -194,10 +210,10 @@ class Muon(torch.optim.Optimizer):
                     continue
                 G = W.grad.to(M.dtype)
                 M.mul_(mu).add_(G)
-                U = G.add(M, alpha=mu) if group["nesterov"] else M
-                O = orthogonalized_update(U, group["split"], group["split_sizes"], group["adjust_lr"],
-                                          steps=group["ns_steps"], eps=group["eps"],
-                                          coefficients=group["ns_coefficients"], ns_dtype=group["ns_dtype"])
+                local.append((W, G.add(M, alpha=mu) if group["nesterov"] else M))
+            updates = orthogonalized_updates([U for _, U in local], group["split"], group["split_sizes"],
+                                             group["adjust_lr"], **_ns_options(group))
+            for (W, _), O in zip(local, updates):
                 W.mul_(1 - lr * group["weight_decay"])
                 W.add_(O.to(W.dtype), alpha=-lr)
         exchange.finish()

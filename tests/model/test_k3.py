@@ -232,6 +232,22 @@ def test_from_scratch_init(tiny_config):
             assert layer.self_attn.q_conv1d.weight.abs().max() <= 0.5  # Conv1d default U(−1/√4, 1/√4)
 
 
+def test_meta_model_skips_the_init(tiny_config, monkeypatch):
+    """A model built on the meta device (shapes for accounting and planning) runs none of our init: nothing to
+    fill (torch's own constructors still reset their embeddings)."""
+    calls = []
+    normal_ = torch.nn.init.normal_
+    monkeypatch.setattr(torch.nn.init, "normal_", lambda *a, **k: calls.append("normal_") or normal_(*a, **k))
+    reset = KimiDeltaAttention.reset_kda_parameters
+    monkeypatch.setattr(KimiDeltaAttention, "reset_kda_parameters", lambda self: calls.append("kda") or reset(self))
+    with torch.device("meta"):
+        model = K3ForCausalLM(tiny_config())
+    # only nn.Embedding's own reset (seen twice: the device context re-dispatches it), none of init_weights'
+    assert all(p.is_meta for p in model.parameters()) and calls == ["normal_"] * 2
+    K3ForCausalLM(tiny_config())  # a real model is initialised: every matrix and every KDA layer
+    assert "kda" in calls and calls.count("normal_") > 2 + sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+
+
 def test_layer_types_follow_the_schedule(tiny_config):
     """Layer i is KDA iff (i+1) ∈ kda_layers, else MLA (incl. a preset's final extra MLA); dense FFN only at layer 0 (§1.4)."""
     expected = {

@@ -25,7 +25,8 @@ def row_numel(shape: tuple[int, ...]) -> int:
 
 
 def test_census_matches_a_real_model():
-    """The meta-device skeleton has exactly the tensors of a real K3ForCausalLM: names, shapes, optimiser kinds."""
+    """The census of the meta-device model has exactly the tensors of a real K3ForCausalLM: names, shapes,
+    optimiser kinds."""
     config = K3Config.from_preset("k3-tiny")
     torch.manual_seed(0)
     model = K3ForCausalLM(config)

@@ -136,7 +136,10 @@ class K3ForCausalLM(PretrainedMixin, nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """From-scratch init (§3.9, §4.5, §5.5, §6.7): N(0, initializer_range²) for every matrix, norm
-        gains 1, AttnRes pseudo-queries 0, router bias 0, KDA gate/conv parameters as in §3.9."""
+        gains 1, AttnRes pseudo-queries 0, router bias 0, KDA gate/conv parameters as in §3.9. A model on the meta
+        device (shapes only: accounting, planning) has no values to initialise."""
+        if self.lm_head.weight.is_meta:
+            return
         std = self.config.initializer_range
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding, MoEGate)):

@@ -72,8 +72,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.accounting import component_of
-from k3.model.k3 import K3DecoderLayer
-from k3.ops.norm import RMSNorm
+from k3.model.k3 import K3ForCausalLM
 from k3.ops.precision import is_fp32_tensor
 from k3.optim.groups import build_param_groups
 
@@ -113,24 +112,6 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
-class _TextSkeleton(nn.Module):
-    """`K3ForCausalLM`'s parameter tree (same names, module types and shapes: the real `K3DecoderLayer`s) without its
-    weight initialisation, whose `normal_` calls alone take seconds on the meta device at full size. The tests
-    check that its census equals that of a real `K3ForCausalLM`."""
-
-    def __init__(self, config: K3Config):
-        super().__init__()
-        D, V, eps = config.hidden_size, config.vocab_size, config.rms_norm_eps
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(V, D, _weight=torch.empty(V, D))
-        self.model.layers = nn.ModuleList(K3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        if config.use_block_attn_res:
-            self.model.output_attn_res_norm = RMSNorm(D, eps)
-            self.model.output_attn_res_proj = nn.Linear(D, 1, bias=False)
-        self.model.norm = RMSNorm(D, eps)
-        self.lm_head = nn.Linear(D, V, bias=False)
-
-
 _CENSUS_CACHE: dict[str, tuple[TensorInfo, ...]] = {}
 
 
@@ -145,10 +126,10 @@ def parameter_census(config: K3Config, model: nn.Module | None = None) -> tuple[
     key = json.dumps(config.to_text_dict(), sort_keys=True, default=str)
     if key not in _CENSUS_CACHE:
         with torch.device("meta"):
-            skeleton = _TextSkeleton(config)
+            meta_model = K3ForCausalLM(config)  # shapes only: the meta device skips the weight init
         if len(_CENSUS_CACHE) >= 8:
             _CENSUS_CACHE.clear()
-        _CENSUS_CACHE[key] = _census(skeleton, config)
+        _CENSUS_CACHE[key] = _census(meta_model, config)
     return _CENSUS_CACHE[key]
 
 

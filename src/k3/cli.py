@@ -25,6 +25,7 @@ import sys
 import torch
 from torch.distributed import DistError
 
+from k3.checkpoint.io import DEFAULT_MAX_SHARD_SIZE
 from k3.config import PRESETS, K3Config
 from k3.fileio import describe_error
 from k3.inference import generate
@@ -505,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="write a training checkpoint's model as a model directory (safetensors, sharded by size)")
     p.add_argument("run", help="run directory (its newest checkpoint) or one checkpoint directory")
     p.add_argument("out", help="model directory to write (replaced whole if it exists)")
-    p.add_argument("--max-shard-gib", type=_finite(0), default=5.0, help="largest safetensors file (GiB)")
+    p.add_argument("--max-shard-gib", type=_finite(0), default=DEFAULT_MAX_SHARD_SIZE / 2**30,
+                   help="largest safetensors file (GiB)")
     p.set_defaults(func=cmd_export)
     args = parser.parse_args(argv)
     keep_freed_memory()  # glibc reuses freed memory instead of faulting it back in (k3.runtime)

@@ -13,6 +13,7 @@ import os
 import torch
 
 from k3.checkpoint import load_checkpoint_state, save_checkpoint_state
+from k3.checkpoint.io import DEFAULT_MAX_SHARD_SIZE
 from k3.checkpoint.hf import LANGUAGE_MODEL_PREFIX, NON_TEXT_PREFIXES
 from k3.config import K3Config
 from k3.ops.precision import is_fp32_tensor
@@ -60,7 +61,7 @@ class PretrainedMixin:
         model.load_state_dict({model._module_name(n): t for n, t in state.items()}, strict=True, assign=True)
         return model
 
-    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int = 5 * 2**30) -> None:
+    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> None:
         """Write `config.json` + safetensors in the official names and the released layout: the multimodal top
         level (a text-only model's without `vision_config`, `K3Config.released_layout`) and the text tensors
         prefixed `language_model.`. Routed experts are written dense, so `quantization_config` is dropped."""

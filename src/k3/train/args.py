@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass, fields, replace
 
-from k3.config import K3Config, summarize
+from k3.config import K3Config, show_value, summarize
 from k3.optim.groups import PER_HEAD_SCOPES
 from k3.train.balance import METHODS
 from k3.train.checkpoint import IncompatibleResume
@@ -129,7 +129,7 @@ class TrainArgs:
             values[name] = new
             if _as_json(new) != _as_json(old[name]):
                 if name in RESUME_FIXED:
-                    refused.append(f"{_option(name)} {_show(old[name])} -> {_show(new)}")
+                    refused.append(describe_change(name, old[name], new))
                 else:
                     changes[name] = [old[name], new]
         if refused:
@@ -177,8 +177,9 @@ def _as_json(value):
     return json.loads(json.dumps(value))  # tuples and lists compare alike, as stored
 
 
-def _show(value) -> str:
-    return json.dumps(value) if not isinstance(value, str) else repr(value)
+def describe_change(name: str, old, new) -> str:
+    """`--name OLD -> NEW` for a message about an option a resume would change (or changed)."""
+    return f"{_option(name)} {show_value(old)} -> {show_value(new)}"
 
 
 def _stored_args(stored: dict) -> dict:

@@ -16,14 +16,14 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from k3.checkpoint.io import DEFAULT_MAX_SHARD_SIZE
 from k3.config import K3Config
 from k3.fileio import atomic_directory
 from k3.train.checkpoint import DCP_DIR, DCP_ERRORS, LOAD_ERRORS, STATE_JSON, STATE_TENSORS, DamagedCheckpoint, \
     checkpoint_candidates, dcp_failure, is_sharded, read_training_state, single_process_dcp
 from k3.train.tasks import TASKS
 
-DEFAULT_SHARD_BYTES = 5 * 2**30
-_NOT_COPIED = {DCP_DIR, STATE_JSON, STATE_TENSORS, "config.json", "model.safetensors.index.json"}
+_NOT_COPIED = {DCP_DIR, STATE_JSON, STATE_TENSORS, "config.json"}  # besides the weights (model*): written anew
 
 
 def run_checkpoint(path: str | os.PathLike) -> Path:
@@ -63,7 +63,7 @@ def load_checkpoint_model(checkpoint: str | os.PathLike) -> torch.nn.Module:
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike,
-                      max_shard_size: int = DEFAULT_SHARD_BYTES) -> Path:
+                      max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Write the model of `checkpoint` (a checkpoint, or a run directory: its newest) to `out`; returns `out`."""
     checkpoint = run_checkpoint(checkpoint)
     model = load_checkpoint_model(checkpoint)

@@ -46,7 +46,7 @@ from k3.optim import MaxLogitRecorder, cosine_with_warmup, make_optimizers, mla_
 from k3.parallel.distributed import Distributed, rank_rows
 from k3.parallel.fsdp import gathered, parallelize
 from k3.parallel.grads import clip_grad_norm_, scale_grads_
-from k3.train.args import TrainArgs, _option, _show
+from k3.train.args import TrainArgs, describe_change
 from k3.train.balance import QuantileBalancer
 from k3.train.checkpoint import (
     LOAD_ERRORS,
@@ -242,8 +242,7 @@ class Trainer:
         if skipped:
             message += f" (skipped damaged {', '.join(e.checkpoint.name for e in skipped)})"
         if self.changes:
-            message += "; changed: " + ", ".join(f"{_option(k)} {_show(old)} -> {_show(new)}"
-                                                  for k, (old, new) in self.changes.items())
+            message += "; changed: " + ", ".join(describe_change(k, old, new) for k, (old, new) in self.changes.items())
         if self.step >= self.total_steps:
             message += " (the run is complete; a larger --steps extends it)"
         if "steps" in self.changes:

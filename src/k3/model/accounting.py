@@ -62,14 +62,24 @@ class ParamCount:
 def count_parameters(model: nn.Module, config: K3Config) -> ParamCount:
     """Total and activated counts per component; works on a meta-device model (no memory), text-only
     (`K3ForCausalLM`) or multimodal (`K3ForConditionalGeneration`)."""
-    counts = dict.fromkeys(COMPONENTS + VISION_COMPONENTS, 0)
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        counts[component_of(name, config)] += tensor.numel()
+    counts = _component_counts(model.state_dict(keep_vars=True).items(), config)
     total = {k: counts[k] for k in COMPONENTS}
-    activated = dict(total)
-    activated["embedding"] = 0
-    activated["routed_experts"] = total["routed_experts"] * config.num_experts_per_token // config.num_experts
-    return ParamCount(total, activated, {k: counts[k] for k in VISION_COMPONENTS})
+    return ParamCount(total, _activated(total, config), {k: counts[k] for k in VISION_COMPONENTS})
+
+
+def _component_counts(tensors, config: K3Config) -> dict[str, int]:
+    """Elements per component of (checkpoint name, tensor) pairs."""
+    counts = dict.fromkeys(COMPONENTS + VISION_COMPONENTS, 0)
+    for name, tensor in tensors:
+        counts[component_of(name, config)] += tensor.numel()
+    return counts
+
+
+def _activated(total: dict[str, int], config: K3Config) -> dict[str, int]:
+    """What one token uses of each component's `total`: not the input embedding (a row lookup), top-k of the E
+    routed experts, everything else."""
+    return {**total, "embedding": 0,
+            "routed_experts": total["routed_experts"] * config.num_experts_per_token // config.num_experts}
 
 
 @dataclass
@@ -137,14 +147,11 @@ def mtp_layer_params(config: K3Config) -> tuple[int, int]:
     quoted totals that include it."""
     with torch.device("meta"):
         layer = K3DecoderLayer(config, config.num_hidden_layers - 1)
-    counts = dict.fromkeys(COMPONENTS, 0)
-    for name, tensor in layer.state_dict(keep_vars=True).items():
-        counts[component_of(f"model.layers.{config.num_hidden_layers - 1}.{name}", config)] += tensor.numel()
-    D = config.hidden_size
-    extra = 2 * D * D + 3 * D
-    routed = counts["routed_experts"]
-    total = sum(counts.values()) + extra
-    return total, total - routed + routed * config.num_experts_per_token // config.num_experts
+    prefix = f"model.layers.{config.num_hidden_layers - 1}."
+    counts = _component_counts(((prefix + name, t) for name, t in layer.state_dict(keep_vars=True).items()), config)
+    total = {k: counts[k] for k in COMPONENTS}
+    extra = 2 * config.hidden_size ** 2 + 3 * config.hidden_size  # the 2D → D projection, three norms
+    return sum(total.values()) + extra, sum(_activated(total, config).values()) + extra
 
 
 def meta_model(config: K3Config) -> nn.Module:

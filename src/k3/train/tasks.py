@@ -54,13 +54,13 @@ class TextTask:
         # every evaluation scores the same validation rows: `eval_batches` batches' worth spread evenly over the
         # held-out works (all of them when None), so that its loss is not the loss of whichever work comes first
         self.eval_rows = spread_rows(len(self.data.val), None if eval_batches is None else eval_batches * batch_size)
-        self.eval_tokens = sum(len(run) - 1 for run in self.data.val.segments(self.eval_rows))
+        runs = self.data.val.segments(self.eval_rows)
+        self.eval_tokens = sum(len(run) - 1 for run in runs)
         # baselines (nats/token): a context-free model, and a smoothed bigram model scored on the same held-out
         # tokens as the model
         self.references = {"unigram entropy": self.data.unigram_entropy}
         if self.eval_tokens:
-            self.references["smoothed bigram (held out)"] = self.data.bigram.cross_entropy(
-                self.data.val.segments(self.eval_rows))
+            self.references["smoothed bigram (held out)"] = self.data.bigram.cross_entropy(runs)
 
     @classmethod
     def from_args(cls, config: K3Config, args) -> TextTask:

@@ -291,6 +291,7 @@ def one_error_line(err: str, command: str) -> str:
     ({"--lr": "nan"}, "--lr must be a finite number > 0, got nan"),
     ({"--lr": "-0.01"}, "--lr must be a finite number > 0, got -0.01"),
     ({"--batch-size": "0"}, "--batch-size must be a positive integer, got 0"),
+    ({"--eval-batches": "0"}, "--eval-batches must be a positive integer, got 0"),
     ({"--out": "{file}"}, "is a file, not a run directory"),
     ({"--data": "{missing}"}, "does not exist"),
     ({"--data": "{empty_file}"}, "is empty"),

@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/k3-tiny", help="run directory (checkpoints, metrics, plots, model)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest loadable checkpoint, with its own options "
-                        "(--steps, --lr, --eval-every, --eval-images, --checkpoint-every, "
+                        "(--steps, --lr, --eval-every, --eval-batches, --eval-images, --checkpoint-every, "
                         "--[no-]activation-checkpointing may change)")
     p.add_argument("--stop-after", type=int, help="checkpoint and stop after this step (resume later)")
     for name, kind in (("seq_len", int), ("batch_size", int), ("grad_accum", int), ("lr", float),
@@ -473,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("eval_every", int), ("checkpoint_every", int),
                        ("eval_images", int), ("seed", int)):
         p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
+    p.add_argument("--eval-batches", type=int, help="batches of validation rows per evaluation, spread evenly over "
+                                                    "the held-out set (default 16; enough batches: all of it)")
     p.add_argument("--override", action="append", metavar="FIELD=VALUE",
                    help="K3Config field of a new run's preset (VALUE in JSON; repeatable), e.g. num_hidden_layers=5")
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None)

@@ -3,8 +3,9 @@
 When the activations are on a CUDA device and the optional flash-linear-attention kernels import (package
 `fla-core`, `pip install 'kimi-k3[cuda]'`), `KimiDeltaAttention` with `kda_impl = "auto"` (the default) runs
 fla's `chunk_kda` for multi-token calls and its `fused_recurrent_kda` for one-token decode steps; everywhere
-else it runs this package's torch ops (`chunk_kda`, `recurrent_kda`), which stay the reference. `kda_impl = "fla"` demands the
-kernels (one-line error without them); "chunk" and "recurrent" force the torch ops on any device.
+else it runs this package's torch ops (`chunk_kda`, `recurrent_kda`), which stay the reference.
+`kda_impl = "fla"` demands the kernels (one-line error without them); "chunk" and "recurrent" force the torch
+ops on any device.
 
 fla's kernels take the same tensors as ours — q, k [B,T,H,K] L2-normalised, v [B,T,H,V], g [B,T,H,K] the
 per-channel log-decay, β [B,T,H], the state [N,H,K,V] key-major in fp32, scale K^-1/2 by default — and packed

@@ -12,7 +12,6 @@ fla tests also without flash-linear-attention (`pip install 'kimi-k3[cuda]'`).
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
@@ -21,18 +20,11 @@ from k3.ops.grouped_mm import grouped_mm
 from k3.ops.kda import recurrent_kda
 from k3.ops.kda.gpu import fla_kda, fla_kernels
 from k3.ops.kda.varlen import kda_by_document
+from kda_inputs import kda_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_fla = pytest.mark.skipif(fla_kernels() is None, reason="needs flash-linear-attention")
 CUDA = torch.device("cuda")
-
-
-def kda_inputs(B, T, H, K, V, seed=0):
-    """float64 CPU inputs with K3's bounded gates (g ∈ (−5, 0))."""
-    gen = torch.Generator().manual_seed(seed)
-    randn = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)
-    return dict(q=F.normalize(randn(B, T, H, K), dim=-1), k=F.normalize(randn(B, T, H, K), dim=-1),
-                v=randn(B, T, H, V), g=-5 * torch.sigmoid(3 * randn(B, T, H, K)), beta=torch.sigmoid(randn(B, T, H)))
 
 
 def on_cuda(x, dtype=torch.float32, grad=False):

@@ -8,28 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import k3.model.kda as kda_module
 import k3.ops.kda.gpu as gpu
 from k3.model.cache import K3Cache
 from k3.ops.kda import chunk_kda, recurrent_kda
 from k3.ops.kda.varlen import chunk_kda_by_document
-
-LENGTHS = [[16, 1, 20], [37], [5, 5, 5, 22], [1, 1, 35]]  # documents per row of 37 tokens
-
-
-def inputs(B, T, H=2, K=12, V=20, seed=0):
-    """float64 KDA inputs with K ≠ V and K3's bounded gates."""
-    gen = torch.Generator().manual_seed(seed)
-    randn = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)
-    return dict(q=F.normalize(randn(B, T, H, K), dim=-1), k=F.normalize(randn(B, T, H, K), dim=-1),
-                v=randn(B, T, H, V), g=-5 * torch.sigmoid(3 * randn(B, T, H, K)), beta=torch.sigmoid(randn(B, T, H)))
-
-
-def documents(lengths_per_row):
-    return torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in lengths_per_row])
-
+from kda_inputs import LENGTHS, documents, kda_inputs as inputs
 
 def reference_kernel(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
     """fla's kernel contract from the torch reference: with `cu_seqlens` (batch 1) every segment runs from a zero

@@ -3,30 +3,12 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from k3.ops.kda import chunk_kda, recurrent_kda
 from k3.ops.kda.varlen import chunk_aligned_layout, chunk_kda_by_document, kda_by_document
+from kda_inputs import LENGTHS, documents, kda_inputs
 
-H, K, V = 2, 12, 20  # K ≠ V
-
-
-def inputs(B, T, dtype=torch.float64, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
-
-    return dict(q=F.normalize(randn(B, T, H, K), dim=-1), k=F.normalize(randn(B, T, H, K), dim=-1),
-                v=randn(B, T, H, V), g=-5 * torch.sigmoid(3 * randn(B, T, H, K)), beta=torch.sigmoid(randn(B, T, H)))
-
-
-def documents(lengths_per_row):
-    return torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in lengths_per_row])
-
-
-# rows of 37 tokens: one-token documents, documents longer than a chunk, a boundary on a chunk edge (16)
-LENGTHS = [[16, 1, 20], [37], [5, 5, 5, 22], [1, 1, 35]]
+H, K, V = 2, 12, 20  # K ≠ V: kda_inputs' defaults
 
 
 def separately(x, lengths_per_row, chunk_size):
@@ -44,7 +26,7 @@ def separately(x, lengths_per_row, chunk_size):
 
 @pytest.mark.parametrize("chunk_size", [16, 8])
 def test_chunk_aligned_equals_separate_runs_float64(chunk_size):
-    x = inputs(len(LENGTHS), 37)
+    x = kda_inputs(len(LENGTHS), 37)
     o = chunk_kda_by_document(**x, document_ids_BT=documents(LENGTHS), chunk_size=chunk_size)
     assert o.shape == (4, 37, H, V)
     torch.testing.assert_close(o, separately(x, LENGTHS, chunk_size), rtol=0, atol=1e-12)
@@ -52,7 +34,7 @@ def test_chunk_aligned_equals_separate_runs_float64(chunk_size):
 
 def test_chunk_aligned_matches_the_recurrent_reference_layout():
     """Both packed layouts agree: chunk-aligned chunked core vs padded-batch recurrent core (fp32 and grads)."""
-    x = inputs(len(LENGTHS), 37, dtype=torch.float32, seed=1)
+    x = kda_inputs(len(LENGTHS), 37, dtype=torch.float32, seed=1)
     docs = documents(LENGTHS)
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
     fast = chunk_kda_by_document(**leaves, document_ids_BT=docs, chunk_size=16)
@@ -81,7 +63,7 @@ def test_padding_is_less_than_a_chunk_per_document():
 
 def test_reset_chunks_restart_the_state():
     """`reset_chunks` = a fresh zero state entering that chunk, initial state included."""
-    x = inputs(1, 32)
+    x = kda_inputs(1, 32)
     S0 = torch.randn(1, H, K, V, dtype=torch.float64)
     reset = torch.tensor([[False, True]])
     o, _ = chunk_kda(**x, chunk_size=16, initial_state=S0, reset_chunks=reset)

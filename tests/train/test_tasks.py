@@ -48,6 +48,14 @@ def test_batch_layout(task):
     assert not torch.equal(task.next_batch()["input_ids"], ids)  # the stream moves on
 
 
+def test_validation_loss_batches_are_limited_by_eval_batches(tokenizer):
+    config = K3Config.from_preset("k3-tiny-vl")
+    sizes = {n: [b["input_ids"].shape[0] for b in ShapesTask(config, batch_size=3, seed=0, eval_images=7,
+                                                              tokenizer=tokenizer, eval_batches=n).val_batches()]
+             for n in (None, 2, 5)}
+    assert sizes == {None: [3, 3, 1], 2: [3, 3], 5: [3, 3, 1]}
+
+
 def test_held_out_images_are_not_training_images(task):
     held_out = [img.tobytes() for img, _ in task._held_out]
     trained = [render(scene_for(0 * 2 + 0, i)).tobytes() for i in range(50)]

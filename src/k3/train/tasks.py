@@ -129,7 +129,7 @@ class ShapesTask:
     default_lr = 0.003  # tuned on the k3-tiny-vl demo: at 0.01 and above the captions ignore the image for long
 
     def __init__(self, config: K3Config, *, batch_size: int, seed: int, eval_images: int = 128,
-                 tokenizer: K3Tokenizer | None = None):
+                 tokenizer: K3Tokenizer | None = None, eval_batches: int | None = None):
         if config.vision_config is None:
             raise ValueError("--task shapes needs a multimodal preset with a vision_config (e.g. k3-tiny-vl)")
         self.batch_size, self.seed, self.position = batch_size, seed, 0
@@ -142,12 +142,14 @@ class ShapesTask:
         self.references = {}
         self.chance = 1 / len(all_captions())  # uniform guessing over the distinct captions
         self._held_out = [self._example(HELD_OUT_STREAM, i) for i in range(eval_images)]
+        self.eval_batches = eval_batches  # the validation loss scores the first ones (None: all held-out images)
 
     @classmethod
     def from_args(cls, config: K3Config, args) -> ShapesTask:
         if args.data is not None:
             raise ValueError("--data is for the text task; the shapes task generates its own images")
-        return cls(config, batch_size=args.batch_size, seed=args.seed, eval_images=args.eval_images)
+        return cls(config, batch_size=args.batch_size, seed=args.seed, eval_images=args.eval_images,
+                   eval_batches=args.eval_batches)
 
     def _example(self, stream: int, index: int):
         scene = scene_for(self.seed * 2 + stream, index)
@@ -183,7 +185,8 @@ class ShapesTask:
         return model.merged_attention_mask(batch["input_ids"], batch["grid_thws"], batch["attention_mask"])
 
     def val_batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        for start in range(0, len(self._held_out), self.batch_size):
+        """The held-out examples, `batch_size` at a time, at most `eval_batches` batches."""
+        for start in range(0, len(self._held_out), self.batch_size)[:self.eval_batches]:
             yield self.make_batch(self._held_out[start:start + self.batch_size])
 
     @torch.no_grad()

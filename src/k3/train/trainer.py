@@ -383,15 +383,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Token-weighted mean validation loss over the task's evaluation batches, at most `eval_batches` of them
-        (router biases frozen), the number of tokens it scored, and the task's own metrics (caption accuracy for
+        """Token-weighted mean validation loss over the task's evaluation batches (`eval_batches` of them; router
+        biases frozen), the number of tokens it scored, and the task's own metrics (caption accuracy for
         shapes). Under torchrun every rank evaluates the same batches (the forwards are collective); rank 0's
         numbers are reported."""
         self.model.eval()
         total, count = 0.0, 0
-        for i, batch in enumerate(self.task.val_batches()):
-            if i == self.args.eval_batches:
-                break
+        for batch in self.task.val_batches():
             out = self.model(**{k: v.to(self.device) for k, v in batch.items()})
             n = int(out.loss_tokens)  # the targets the loss kept (none across a document boundary)
             total, count = total + out.loss.item() * n, count + n

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import k3.ops.kda.chunk as chunk_module
 from k3.ops.kda import chunk_kda, recurrent_kda
 
 B, H, K, V = 2, 2, 24, 40  # K ≠ V: a transposed state fails on shape or value (§3.4)
@@ -136,6 +137,19 @@ def test_chunk_sizes_agree(chunk_size):
     o, S = run("chunk", inputs, chunk_size=chunk_size)
     o_64, S_64 = run("chunk", inputs)
     assert max_err(o, o_64) < 1e-12 and max_err(S, S_64) < 1e-12
+
+
+@pytest.mark.parametrize(("T", "chunk_size", "padded"), [(21, 64, 32), (10, 24, 16), (64, 64, 64), (70, 64, 64)])
+def test_short_sequence_pads_to_whole_sub_chunks(monkeypatch, T, chunk_size, padded):
+    """A sequence shorter than a chunk runs as one chunk cut to whole sub-chunks (16, or gcd(chunk_size, 16))."""
+    seen = []
+    apply = chunk_module.ChunkKDAFunction.apply
+    monkeypatch.setattr(chunk_module.ChunkKDAFunction, "apply", lambda *a: seen.append(a[0].shape[-2]) or apply(*a))
+    inputs = make_inputs(T)
+    o, S = run("chunk", inputs, chunk_size=chunk_size)
+    o_ref, S_ref = reference(inputs)
+    assert seen == [padded]
+    assert max_err(o, o_ref) < 1e-12 and max_err(S, S_ref) < 1e-12
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -7,10 +7,12 @@ hand-derived backward that recomputes inside each chunk.
 # Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 # Here: U chunks of length C.
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-from k3.ops.kda.function import ChunkKDAFunction
+from k3.ops.kda.function import SUB_CHUNK, ChunkKDAFunction
 from k3.ops.kda.naive import prepare_inputs
 
 
@@ -37,6 +39,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if T == 0:
         return torch.zeros_like(v_BTHV).to(out_dtype), (S_BHKV if output_final_state else None)
 
+    if T < chunk_size:  # one chunk either way: pad it only to whole sub-chunks (a 21-token caption row: 32, not 64)
+        step = math.gcd(chunk_size, SUB_CHUNK)
+        chunk_size = -(-T // step) * step
     keep_BU = None if reset_chunks is None else (~reset_chunks).to(S_BHKV)
     o_BHUCV, S_BHKV = ChunkKDAFunction.apply(
         *(_to_chunks(x, chunk_size) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH[..., None])), S_BHKV, keep_BU)

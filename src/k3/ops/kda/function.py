@@ -322,7 +322,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         q_BHUCK, k_BHUCK, v_BHUCV, g_BHUCK, beta_BHUC1, S_in_BHUKV = ctx.saved_tensors
         ic = _intra_chunk(q_BHUCK, k_BHUCK, v_BHUCV, g_BHUCK, beta_BHUC1)  # recomputed
         u_BHUCV = ic.U_BHUCV - ic.W_BHUCK @ S_in_BHUKV  # Ũ = U − W S, all chunks at once
-        do_BHUCV = torch.zeros_like(u_BHUCV) if do_BHUCV is None else do_BHUCV
+        # contiguous once: the output's gradient arrives strided and meets four matmuls
+        do_BHUCV = torch.zeros_like(u_BHUCV) if do_BHUCV is None else do_BHUCV.contiguous()
         dS_end_BHKV = torch.zeros_like(S_in_BHUKV[:, :, 0]) if dS_end_BHKV is None else dS_end_BHKV
         dS_out_BHUKV, du_BHUCV, dS_BHKV = _scan_chunks_backward(
             dS_end_BHKV, (q_BHUCK * ic.decay_BHUCK).transpose(-1, -2) @ do_BHUCV,

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from k3.cli import main
+from k3.cli import caption_accuracy_line, main
 from k3.inference import generate
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
@@ -22,6 +22,14 @@ from k3.model.accounting import count_parameters
 def run_json(capsys, target: str) -> dict:
     assert main(["info", target, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
+
+
+def test_caption_accuracy_is_shown_with_its_standard_error():
+    """61 of 128 captions right: 47.7 %, binomial standard error sqrt(p(1 − p)/n) = 4.4 points."""
+    line = caption_accuracy_line(61 / 128, 128, 1 / 276)
+    assert line == ("caption exact match on 128 held-out images: 47.7 % ± 4.4 (one standard error; "
+                    "chance 0.36 %)")
+    assert "0.0 % ± 0.0" in caption_accuracy_line(0.0, 128, 1 / 276)
 
 
 def test_info_json_full(capsys):

@@ -275,8 +275,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"validation loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} nats/token"
           f"{scored}{reference} after {summary['step']} steps")
     if summary["caption_accuracy"] is not None:
-        print(f"caption exact match on {summary['eval_images']} held-out images: "
-              f"{100 * summary['caption_accuracy']:.1f} % (chance {100 * summary['chance_accuracy']:.2f} %)")
+        print(caption_accuracy_line(summary["caption_accuracy"], summary["eval_images"], summary["chance_accuracy"]))
     print(f"checkpoint: {summary['checkpoint']}")
     if summary["model_dir"]:
         print(f"model: {summary['model_dir']} (k3 generate {summary['model_dir']} --prompt ...)")
@@ -292,6 +291,14 @@ def cmd_train(args: argparse.Namespace) -> int:
             return 128 + signal.Signals[stopped_by].value
         print(pause)
     return 0
+
+
+def caption_accuracy_line(accuracy: float, images: int, chance: float) -> str:
+    """The shapes task's result with its binomial standard error: with 128 held-out images a reading near 40 %
+    is uncertain by about ±4 points, so the number is never shown bare."""
+    error = math.sqrt(accuracy * (1 - accuracy) / images)
+    return (f"caption exact match on {images} held-out images: {100 * accuracy:.1f} % ± {100 * error:.1f} "
+            f"(one standard error; chance {100 * chance:.2f} %)")
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:

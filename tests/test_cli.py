@@ -307,6 +307,9 @@ def one_error_line(err: str, command: str) -> str:
     ({"--steps": "many"}, "argument --steps: invalid int value: 'many'"),
     ({"--steps": None}, "give exactly one of --steps and --minutes"),
     ({"--override": "depth"}, "--override expects FIELD=VALUE, got 'depth'"),
+    ({"--lr-scale": "embed"}, "--lr-scale expects GROUP=NUMBER, got 'embed'"),
+    ({"--lr-scale": "embed=fast"}, "--lr-scale expects GROUP=NUMBER, got 'embed=fast'"),
+    ({"--lr-scale": "embed=0"}, "--lr-scale embed=0.0: a multiplier must be a finite number > 0"),
 ])
 def test_train_argument_faults_are_one_line_before_any_work(train_corpus, tmp_path, monkeypatch, capsys, change,
                                                             message):

@@ -230,6 +230,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lr_scale(items: list[str] | None) -> dict | None:
+    """`--lr-scale GROUP=X` options as {group: multiplier}."""
+    if not items:
+        return None
+    scales = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        try:
+            scales[key.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not key.strip():
+            raise UsageError(f"--lr-scale expects GROUP=NUMBER, got {item!r}")
+    return scales
+
+
 def _overrides(items: list[str] | None) -> dict | None:
     """`--override FIELD=VALUE` options as K3Config field overrides (VALUE as JSON, else as a string)."""
     if not items:
@@ -256,6 +272,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     options = {k: v for k, v in vars(args).items() if k in TrainArgs.__dataclass_fields__ and v is not None}
     options["overrides"] = _overrides(args.override)
+    options["lr_scale"] = _lr_scale(args.lr_scale)
     train_args = TrainArgs(**options)
     distributed = init_distributed(train_args.ep)
     try:
@@ -482,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
     p.add_argument("--eval-batches", type=int, help="batches of validation rows per evaluation, spread evenly over "
                                                     "the held-out set (default 16; enough batches: all of it)")
+    p.add_argument("--lr-scale", action="append", metavar="GROUP=X",
+                   help="multiply the peak lr of a parameter group (embed, lm_head, matrix, experts, ...) or of "
+                        "every group of an optimiser (muon, adamw); repeatable (text default: embed=5 muon=0.5)")
     p.add_argument("--override", action="append", metavar="FIELD=VALUE",
                    help="K3Config field of a new run's preset (VALUE in JSON; repeatable), e.g. num_hidden_layers=5")
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None)

@@ -154,3 +154,22 @@ def test_make_optimizers_trains(model_and_config):
     loss.backward()
     unmoved = [n for n, p in model.named_parameters() if p.grad is not None and torch.equal(p, before[n])]
     assert not unmoved, unmoved
+
+
+def test_lr_scale(model_and_config):
+    """`lr_scale` (§8.8): a group's own key beats its optimiser's ("muon" / "adamw"), the rest stay at 1; each
+    group starts at lr × its scale and `set_lr` keeps the ratio; a key naming no group is refused, listing the
+    groups."""
+    from k3.optim import set_lr
+
+    model, config = model_and_config
+    muon, adamw = make_optimizers(model, config, lr=1e-3, lr_scale={"embed": 5, "muon": 0.5, "experts": 2})
+    scales = {g["name"]: (g["lr_scale"], g["lr"]) for g in muon.param_groups + adamw.param_groups}
+    assert scales["embed"] == (5.0, pytest.approx(5e-3)) and scales["lm_head"] == (1.0, 1e-3)
+    assert scales["matrix"] == (0.5, 5e-4) and scales["kda_qkv"] == (0.5, 5e-4) and scales["experts"] == (2.0, 2e-3)
+    set_lr([muon, adamw], 0.1)
+    assert {g["name"]: g["lr"] for g in muon.param_groups + adamw.param_groups}["embed"] == pytest.approx(0.5)
+    assert all(g["lr"] == pytest.approx(0.1 * g["lr_scale"]) for g in muon.param_groups + adamw.param_groups)
+    with pytest.raises(ValueError, match=r"lr scale for 'embeddings': no such parameter group in this model "
+                                         r"\(groups: muon, adamw, .*embed"):
+        build_param_groups(model, config, lr=1e-3, lr_scale={"embeddings": 2.0})

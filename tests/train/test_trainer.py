@@ -126,7 +126,8 @@ def test_activation_checkpointing_changes_nothing(corpus, tmp_path):
     {"steps": None}, {"steps": 0}, {"minutes": 1.0}, {"schedule": "linear"}, {"steps": None, "minutes": math.nan},
     {"steps": None, "minutes": math.inf}, {"steps": None, "minutes": -1.0}, {"lr": math.nan}, {"lr": -0.1},
     {"seed": 2**70}, {"seed": -1}, {"batch_size": 0}, {"batch_size": True}, {"balancer": "fair"},
-    {"overrides": {"no_such_field": 1}}, {"stop_after": 0}, {"muon_per_head": "rows"}])
+    {"overrides": {"no_such_field": 1}}, {"stop_after": 0}, {"muon_per_head": "rows"}, {"lr_scale": [2.0]},
+    {"lr_scale": {"embed": 0}}, {"lr_scale": {"embed": math.inf}}, {"lr_scale": {"embed": "5"}}])
 def test_bad_arguments(corpus, tmp_path, bad):
     with pytest.raises(ValueError):
         _args(corpus, tmp_path, **bad)
@@ -242,14 +243,39 @@ def test_resume_refuses_changed_settings_naming_each(corpus, two_checkpoints, tm
     other.write_text("\n\n".join(p.read_text() for p in sorted(corpus.glob("*.txt"))))  # the same text, one file
     with pytest.raises(IncompatibleResume) as e:
         Trainer(_args(corpus, two_checkpoints, resume=True, data=str(other), seq_len=64, seed=3,
-                      overrides={"vocab_size": 320, "num_hidden_layers": 9}))
+                      overrides={"vocab_size": 320, "num_hidden_layers": 9}, lr_scale={"embed": 2.0}))
     message = str(e.value)
     assert f"--data '{corpus}' -> '{other}'" in message and "--seq-len 32 -> 64" in message
+    assert '--lr-scale {"embed": 5.0, "muon": 0.5} -> {"embed": 2.0}' in message
     assert "--seed 0 -> 3" in message and "--overrides" in message and "another --out" in message
     with pytest.raises(IncompatibleResume, match="--steps 2: the run is already at step 2"):
         Trainer(_args(corpus, two_checkpoints, resume=True, steps=2))
     with pytest.raises(IncompatibleResume, match="--stop-after 1: the run is already at step 2"):
         Trainer(_args(corpus, two_checkpoints, resume=True, stop_after=1))
+
+
+def test_lr_scale_defaults_and_older_runs(corpus, two_checkpoints, tmp_path):
+    """The text task's tuned per-group scales apply unless --lr-scale is given (§8.8); a run saved before the
+    option existed resumes with every group at the peak lr, as it was trained."""
+    text = Trainer(_args(corpus, tmp_path / "a"))
+    assert text.args.lr_scale == {"embed": 5.0, "muon": 0.5}
+    groups = {g["name"]: g["lr_scale"] for opt in text.optimizers for g in opt.param_groups}
+    assert groups["embed"] == 5.0 and groups["lm_head"] == 1.0 and groups["matrix"] == 0.5
+    mine = Trainer(_args(corpus, tmp_path / "b", lr_scale={"lm_head": 0.5}))
+    assert {g["name"]: g["lr_scale"] for g in mine.optimizers[1].param_groups}["lm_head"] == 0.5
+    run = _copy(two_checkpoints, tmp_path)
+    for state_file in run.glob("checkpoints/*/trainer_state.json"):
+        state_file.write_text(json.dumps(_without(json.loads(state_file.read_text()), "lr_scale")))
+    old = Trainer(TrainArgs(out=str(run), resume=True))
+    assert old.args.lr_scale == {} and not old.changes
+    assert all(g.get("lr_scale", 1.0) == 1.0 for opt in old.optimizers for g in opt.param_groups)
+
+
+def _without(value, key):
+    """A JSON value with `key` removed from every object in it."""
+    if isinstance(value, dict):
+        return {k: _without(v, key) for k, v in value.items() if k != key}
+    return [_without(v, key) for v in value] if isinstance(value, list) else value
 
 
 def test_resume_takes_the_runs_options_and_extends_it(two_checkpoints, tmp_path):

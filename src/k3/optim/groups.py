@@ -18,6 +18,10 @@ Vision (§9, §13 items 3 and 5): MoonViT-V2 `wqkv` is Muon per head ("vit_qkv":
 scope "qkv" and wider); `wo`, the MLP and the projector linears are Muon "matrix"; the patch conv and the
 position table are AdamW "vision_input" (with weight decay); ViT and projector norm gains are "norm".
 
+`lr_scale` multiplies the peak learning rate of chosen groups (§8.8): keys are group names or "muon" / "adamw"
+for every group of that optimiser; a group's own name wins. Each group dict records its "lr_scale", which
+`set_lr` applies at every step.
+
 The router's `e_score_correction_bias` is a buffer written only by load balancing, so it is in no group. Whether
 a decoder layer is KDA or MLA is read from the config's layer schedule.
 """
@@ -25,7 +29,7 @@ a decoder layer is KDA or MLA is read from the config's layer schedule.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -48,13 +52,16 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 def build_param_groups(model: nn.Module, config: K3Config, lr: float, weight_decay: float = 0.1,
                        per_head_scope: str = "qkv", router: str = "muon", kv_b_blocks: str = "k_v",
-                       no_decay: Collection[str] = DEFAULT_NO_DECAY) -> tuple[list[dict], list[dict]]:
+                       no_decay: Collection[str] = DEFAULT_NO_DECAY,
+                       lr_scale: Mapping[str, float] | None = None) -> tuple[list[dict], list[dict]]:
     """(Muon groups, AdamW groups) for `model` (a `K3ForCausalLM` or `K3Model`), §8.1.
 
     Each group is a dict with "name", "params" (a list of (qualified name, parameter) pairs, so the optimisers
     record `param_names`), "lr", "weight_decay"; Muon groups also carry their block view ("split",
     "split_sizes", §8.4). `kv_b_blocks`: "k_v" (per head one K and one V block, default) or "head" (one
-    [N + Vh, C] block per head). Raises if a parameter has no rule or is not in exactly one group.
+    [N + Vh, C] block per head). `lr_scale`: {group name or "muon" / "adamw": multiplier of `lr`}; each group
+    gets "lr_scale" and starts at `lr` times it. Raises if a parameter has no rule or is not in exactly one
+    group, or if an `lr_scale` key names no group of this model.
     """
     if per_head_scope not in PER_HEAD_SCOPES:
         raise ValueError(f"per_head_scope must be one of {PER_HEAD_SCOPES}, got {per_head_scope!r}")
@@ -84,18 +91,32 @@ def build_param_groups(model: nn.Module, config: K3Config, lr: float, weight_dec
                     weight_decay=0.0 if group_name in no_decay else weight_decay))
             group["params"].append((name, param))
     _check_partition(model, [*muon_groups.values(), *adamw_groups.values()])
+    _apply_lr_scale(lr_scale or {}, muon=list(muon_groups.values()), adamw=list(adamw_groups.values()))
     return list(muon_groups.values()), list(adamw_groups.values())
+
+
+def _apply_lr_scale(lr_scale: Mapping[str, float], **groups_by_optimizer: list[dict[str, Any]]) -> None:
+    """Give every group its "lr_scale" (its own key, else its optimiser's, else 1) and scale its "lr"."""
+    names = {group["name"] for groups in groups_by_optimizer.values() for group in groups}
+    unknown = sorted(set(lr_scale) - names - set(groups_by_optimizer))
+    if unknown:
+        raise ValueError(f"lr scale for {', '.join(map(repr, unknown))}: no such parameter group in this model "
+                         f"(groups: {', '.join([*groups_by_optimizer, *sorted(names)])})")
+    for optimizer, groups in groups_by_optimizer.items():
+        for group in groups:
+            group["lr_scale"] = float(lr_scale.get(group["name"], lr_scale.get(optimizer, 1.0)))
+            group["lr"] *= group["lr_scale"]
 
 
 def make_optimizers(model: nn.Module, config: K3Config, lr: float, weight_decay: float = 0.1,
                     per_head_scope: str = "qkv", router: str = "muon", kv_b_blocks: str = "k_v",
                     no_decay: Collection[str] = DEFAULT_NO_DECAY, ns_dtype: torch.dtype = torch.bfloat16,
-                    **muon_options: Any) -> tuple[Muon, torch.optim.AdamW]:
+                    lr_scale: Mapping[str, float] | None = None, **muon_options: Any) -> tuple[Muon, torch.optim.AdamW]:
     """The K3 optimiser pair: `Muon` over the Muon groups and AdamW (β = (0.9, 0.95), ε = 1e-8) over the rest
-    (§8.2, §8.5), both at learning rate `lr`. `muon_options` are further `Muon` defaults (momentum,
-    nesterov, adjust_lr, ...)."""
+    (§8.2, §8.5), both at learning rate `lr` (times a group's `lr_scale`, see `build_param_groups`).
+    `muon_options` are further `Muon` defaults (momentum, nesterov, adjust_lr, ...)."""
     muon_groups, adamw_groups = build_param_groups(model, config, lr, weight_decay, per_head_scope, router,
-                                                   kv_b_blocks, no_decay)
+                                                   kv_b_blocks, no_decay, lr_scale)
     muon = Muon(muon_groups, lr=lr, weight_decay=weight_decay, ns_dtype=ns_dtype, **muon_options)
     adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=weight_decay)
     return muon, adamw

@@ -6,7 +6,7 @@
     LambdaLR(optimizer, functools.partial(cosine_with_warmup, total_steps=T, peak_lr=1.0))
 
 scales each group's initial lr; `set_lr` instead writes one absolute lr into every group of several optimisers
-(Muon and AdamW share the schedule, §8.5).
+(Muon and AdamW share the schedule, §8.5), times the group's own `lr_scale` where it has one (§8.8).
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def _cosine(t: int, length: int, peak_lr: float, min_lr: float) -> float:
 
 
 def set_lr(optimizers: Iterable[torch.optim.Optimizer], lr: float) -> None:
-    """Write `lr` into every param group of every optimiser (call before each step with the schedule's value)."""
+    """Write `lr` into every param group of every optimiser (call before each step with the schedule's value),
+    times the group's "lr_scale" (1 where it has none)."""
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)

@@ -41,6 +41,8 @@ class TrainArgs:
     grad_accum: int | None = None  # 1
     lr: float | None = None  # peak; None: the task's tuned default (text 0.03, shapes 0.003). Muon's RMS matching
     # lets one rate serve Muon and AdamW (§8.2); lower it for larger models
+    lr_scale: dict | None = None  # {parameter group or "muon" / "adamw": multiplier of the peak lr} (§8.8); None:
+    # the task's tuned default (text: embeddings ×5, Muon ×0.5; shapes: none)
     min_lr_ratio: float | None = None  # 0.1
     warmup_frac: float | None = None  # 0.01
     schedule: str | None = None  # "cosine" (K3, the default) | "wsd"
@@ -85,6 +87,8 @@ class TrainArgs:
                     or not (low <= v if closed else low < v) or v > high):
                 bound = f"in [{low}, {high}]" if high != math.inf else ">= 0" if closed else "> 0"
                 raise ValueError(f"{_option(name)} must be a finite number {bound}, got {v!r}")
+        if self.lr_scale is not None:
+            _check_lr_scale(self.lr_scale)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed <= MAX_SEED):
             raise ValueError(f"--seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
@@ -110,6 +114,7 @@ class TrainArgs:
                   for name, default in DEFAULTS.items()}
         values["preset"] = self.preset or task.default_preset
         values["lr"] = task.default_lr if self.lr is None else self.lr
+        values["lr_scale"] = dict(task.default_lr_scale) if self.lr_scale is None else self.lr_scale
         values["data"] = None if self.data is None else os.path.abspath(self.data)
         return replace(self, **values)
 
@@ -155,7 +160,7 @@ DEFAULTS = {"task": "text", "seq_len": 256, "batch_size": 16, "grad_accum": 1, "
 """What a TrainArgs field left at None means on a fresh run (preset and lr: the task's; data: Shakespeare)."""
 
 RESUME_FIXED = ("task", "preset", "data", "overrides", "seq_len", "batch_size", "grad_accum", "seed", "balancer",
-                "muon_per_head", "schedule", "min_lr_ratio", "warmup_frac", "weight_decay", "clip", "qk_clip_tau")
+                "muon_per_head", "lr_scale", "schedule", "min_lr_ratio", "warmup_frac", "weight_decay", "clip", "qk_clip_tau")
 """What defines a run, refused by `--resume`: the data (and so the tokenizer and the split), the model, the
 batches (their shape and order), the optimiser's stored hyper-parameters and the schedule's shape."""
 
@@ -167,6 +172,17 @@ activation checkpointing (same numbers), the cache directory. Besides: `steps` (
 `Trainer._lr`), and `minutes` and `stop_after`, which belong to one invocation and are never inherited."""
 
 MAX_SEED = 2**64 - 1  # torch.manual_seed's range (NumPy seeds take any non-negative integer)
+
+
+def _check_lr_scale(lr_scale) -> None:
+    """`lr_scale` must map group names to finite positive multipliers (which groups exist is the model's
+    business: `build_param_groups` names an unknown one)."""
+    if not isinstance(lr_scale, dict):
+        raise ValueError(f"--lr-scale must map parameter groups to multipliers, got {lr_scale!r}")
+    for group, scale in lr_scale.items():
+        if (not isinstance(group, str) or isinstance(scale, bool) or not isinstance(scale, (int, float))
+                or not math.isfinite(scale) or scale <= 0):
+            raise ValueError(f"--lr-scale {group}={scale!r}: a multiplier must be a finite number > 0")
 
 
 def _option(name: str) -> str:
@@ -185,6 +201,7 @@ def describe_change(name: str, old, new) -> str:
 def _stored_args(stored: dict) -> dict:
     """A checkpoint's `args` with what older runs left at None resolved (preset, lr, data made absolute)."""
     values = {**copy.deepcopy(DEFAULTS), "preset": None, "data": None, "lr": None, "cache_dir": None,
+              "lr_scale": {},  # runs from before per-group scales trained every group at the peak lr
               **{k: v for k, v in stored.items() if v is not None}}
     task = TASKS.get(values["task"])
     if task is not None:

@@ -39,6 +39,7 @@ class TextTask:
     model_class = K3ForCausalLM
     default_preset = "k3-tiny"
     default_lr = 0.03  # tuned on the k3-tiny Shakespeare demo
+    default_lr_scale = {"embed": 5.0, "muon": 0.5}  # likewise (docs/benchmarks.md, "The demo's recipe")
 
     def __init__(self, config: K3Config, *, data: str | None, seq_len: int, batch_size: int, seed: int,
                  cache_dir: str | None = None, eval_batches: int | None = None):
@@ -127,6 +128,7 @@ class ShapesTask:
     model_class = K3ForConditionalGeneration
     default_preset = "k3-tiny-vl"
     default_lr = 0.003  # tuned on the k3-tiny-vl demo: at 0.01 and above the captions ignore the image for long
+    default_lr_scale: dict[str, float] = {}  # one rate for every group
 
     def __init__(self, config: K3Config, *, batch_size: int, seed: int, eval_images: int = 128,
                  tokenizer: K3Tokenizer | None = None, eval_batches: int | None = None):

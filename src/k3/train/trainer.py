@@ -216,7 +216,7 @@ class Trainer:
             parallelize(self.model, self.dist, args.reshard_after_forward, args.cpu_offload)
         self.optimizers = make_optimizers(
             self.model, self.config, lr=args.lr, weight_decay=args.weight_decay, per_head_scope=args.muon_per_head,
-            ns_dtype=torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+            lr_scale=args.lr_scale, ns_dtype=torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.balancer = QuantileBalancer(self.model, method=args.balancer)
 
     def _resume(self, args: TrainArgs, candidates: list[Path]) -> None:

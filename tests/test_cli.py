@@ -144,8 +144,10 @@ def test_generate_streams_the_greedy_continuation(checkpoint, capsys):
     out = capsys.readouterr().out
     ids = torch.tensor([tokenizer.encode("the quick")])
     # routing cannot flip: the CLI runs the same generate on the saved (bit-identical) weights and the same ids
-    expected = generate(model, ids, 12, temperature=0, eos_token_id=[tokenizer.eos_token_id, tokenizer.eod_token_id])
-    assert out == "the quick" + tokenizer.decode(expected[0, ids.shape[1]:].tolist()) + "\n"
+    stops = [tokenizer.eos_token_id, tokenizer.eod_token_id]
+    expected = generate(model, ids, 12, temperature=0, eos_token_id=stops)[0, ids.shape[1]:].tolist()
+    # a stop token ends the continuation and is not printed
+    assert out == "the quick" + tokenizer.decode([t for t in expected if t not in stops]) + "\n"
 
 
 def test_generate_is_reproducible_with_a_seed(checkpoint, capsys):

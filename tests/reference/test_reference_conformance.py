@@ -54,7 +54,9 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
         return torch.randn(shape, generator=gen, dtype=torch.float64)
 
     for name, prm in model.named_parameters():
-        if name.endswith("norm.weight"):  # includes every "layernorm.weight"
+        if name.endswith("embed_tokens.weight"):  # §12.2 draws it at N(0, std²); the constructor at N(0, 1) (§13.8)
+            prm.mul_(model.config.initializer_range)  # from the same random stream: scaling restores the §12.2 draw
+        elif name.endswith("norm.weight"):  # includes every "layernorm.weight"
             prm.copy_(1 + 0.2 * randn(prm.shape))
         elif name.endswith("dt_bias"):
             prm.copy_(0.5 * randn(prm.shape))

@@ -135,14 +135,17 @@ class K3ForCausalLM(PretrainedMixin, nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """From-scratch init (§3.9, §4.5, §5.5, §6.7): N(0, initializer_range²) for every matrix, norm
-        gains 1, AttnRes pseudo-queries 0, router bias 0, KDA gate/conv parameters as in §3.9. A model on the meta
-        device (shapes only: accounting, planning) has no values to initialise."""
+        """From-scratch init (§3.9, §4.5, §5.5, §6.7, §13.8): N(0, initializer_range²) for every matrix but the
+        token embeddings, which are N(0, 1), norm gains 1, AttnRes pseudo-queries 0, router bias 0, KDA gate/conv
+        parameters as in §3.9. A model on the meta device (shapes only: accounting, planning) has no values to
+        initialise."""
         if self.lm_head.weight.is_meta:
             return
         std = self.config.initializer_range
         for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding, MoEGate)):
+            if isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=1.0)  # unit scale, like the normalised inputs it stands beside
+            elif isinstance(module, (nn.Linear, MoEGate)):
                 nn.init.normal_(module.weight, std=std)
             elif isinstance(module, RoutedExperts):
                 for w in (module.w1, module.w2, module.w3):

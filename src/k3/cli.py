@@ -230,36 +230,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lr_scale(items: list[str] | None) -> dict | None:
-    """`--lr-scale GROUP=X` options as {group: multiplier}."""
+def _assignments(items: list[str] | None, option: str, form: str, parse) -> dict | None:
+    """Repeated `option KEY=VALUE` items as {key: parse(value)}; a missing "=" or key, or a value `parse`
+    rejects (ValueError), is a usage error showing `form`."""
     if not items:
         return None
-    scales = {}
+    values = {}
     for item in items:
         key, sep, value = item.partition("=")
         try:
-            scales[key.strip()] = float(value)
+            if not sep or not key.strip():
+                raise ValueError(item)
+            values[key.strip()] = parse(value)
         except ValueError:
-            sep = ""
-        if not sep or not key.strip():
-            raise UsageError(f"--lr-scale expects GROUP=NUMBER, got {item!r}")
-    return scales
+            raise UsageError(f"{option} expects {form}, got {item!r}") from None
+    return values
+
+
+def _json_or_text(value: str):
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _lr_scale(items: list[str] | None) -> dict | None:
+    """`--lr-scale GROUP=X` options as {group: multiplier}."""
+    return _assignments(items, "--lr-scale", "GROUP=NUMBER", float)
 
 
 def _overrides(items: list[str] | None) -> dict | None:
     """`--override FIELD=VALUE` options as K3Config field overrides (VALUE as JSON, else as a string)."""
-    if not items:
-        return None
-    overrides = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise UsageError(f"--override expects FIELD=VALUE, got {item!r}")
-        try:
-            overrides[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key.strip()] = value
-    return overrides
+    return _assignments(items, "--override", "FIELD=VALUE", _json_or_text)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -86,6 +86,15 @@ def random_media(grids, seed: int = 0, patch_size: int = 14) -> tuple[torch.Tens
 
 
 @torch.no_grad()
+def embedding_at_initializer_range_(model: nn.Module) -> nn.Module:
+    """The §12.2 procedure draws every matrix at N(0, initializer_range²), the constructor the token embedding at
+    N(0, 1) (§13.8) from the same random stream: scaling it restores the §12.2 draw exactly."""
+    [weight] = [p for n, p in model.named_parameters() if n.endswith("embed_tokens.weight")]
+    weight.mul_(model.config.initializer_range)
+    return model
+
+
+@torch.no_grad()
 def randomize_parameters(model: nn.Module, seed: int = 0) -> nn.Module:
     """Move every parameter off its symmetric default (§12.2), in place, deterministically.
 

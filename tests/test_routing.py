@@ -7,7 +7,7 @@ import torch
 
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
-from conformance import ids_for
+from conformance import embedding_at_initializer_range_, ids_for
 from routing import (Routing, assert_close_except_flips, assert_no_near_tie, forced_flip, record_routing,
                      routing_diff)
 
@@ -129,9 +129,8 @@ def test_state_comparison_without_positions():
 @pytest.fixture(scope="module")
 def k3_tiny():
     torch.manual_seed(0)
-    model = K3ForCausalLM(K3Config.from_preset("k3-tiny")).eval()
-    with torch.no_grad():  # the embedding at N(0, 0.02²) (same draw), the model these scenarios were chosen on
-        model.model.embed_tokens.weight.mul_(model.config.initializer_range)
+    # the embedding at N(0, 0.02²) (same draw): the model these scenarios were chosen on
+    model = embedding_at_initializer_range_(K3ForCausalLM(K3Config.from_preset("k3-tiny")).eval())
     ids = ids_for(model.config.vocab_size, 1, 200, seed=0)
     with torch.no_grad(), record_routing(model) as rec:
         logits = model(ids).logits

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conformance import TINY_CONFORMANCE, build_tiny_config
+from conformance import TINY_CONFORMANCE, build_tiny_config, embedding_at_initializer_range_
 from k3 import K3Config
 from k3_reference import (VARIANTS, load_official_checkpoint, reference_attention, reference_ffn,
                           reference_logits)
@@ -49,14 +49,13 @@ def tiny_config() -> K3Config:
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Spec §12.2 randomisation on top of the N(0, initializer_range²) init of the constructor."""
     gen = torch.Generator().manual_seed(10_000 + seed)
+    embedding_at_initializer_range_(model)
 
     def randn(shape) -> torch.Tensor:
         return torch.randn(shape, generator=gen, dtype=torch.float64)
 
     for name, prm in model.named_parameters():
-        if name.endswith("embed_tokens.weight"):  # §12.2 draws it at N(0, std²); the constructor at N(0, 1) (§13.8)
-            prm.mul_(model.config.initializer_range)  # from the same random stream: scaling restores the §12.2 draw
-        elif name.endswith("norm.weight"):  # includes every "layernorm.weight"
+        if name.endswith("norm.weight"):  # includes every "layernorm.weight"
             prm.copy_(1 + 0.2 * randn(prm.shape))
         elif name.endswith("dt_bias"):
             prm.copy_(0.5 * randn(prm.shape))

@@ -103,3 +103,13 @@ def test_train_resume_and_caption_cli(tmp_path, capsys):
     assert printed.startswith("caption:") and expected in printed
     assert main(["generate", str(model_dir), "--image", str(tmp_path / "missing.png"), "--prompt", "x"]) == 2
     assert "cannot read image" in capsys.readouterr().err
+
+
+def test_each_task_has_its_own_batch_and_rate():
+    """Unset, --batch-size and --lr take the task's tuned values (docs/benchmarks.md); given, they are kept."""
+    shapes = TrainArgs(task="shapes", steps=1).for_new_run()
+    assert (shapes.preset, shapes.batch_size, shapes.lr, shapes.lr_scale) == ("k3-tiny-vl", 32, 0.0025, {})
+    text = TrainArgs(steps=1).for_new_run()
+    assert (text.preset, text.batch_size, text.lr) == ("k3-tiny", 16, 0.03)
+    mine = TrainArgs(task="shapes", steps=1, batch_size=8, lr=0.001).for_new_run()
+    assert (mine.batch_size, mine.lr) == (8, 0.001)

@@ -37,9 +37,9 @@ class TrainArgs:
     resume: bool = False
     stop_after: int | None = None  # stop (with a checkpoint) after this step; `--resume` continues the run
     seq_len: int | None = None  # 256
-    batch_size: int | None = None  # 16
+    batch_size: int | None = None  # None: the task's tuned default (text 16 rows, shapes 32 images)
     grad_accum: int | None = None  # 1
-    lr: float | None = None  # peak; None: the task's tuned default (text 0.03, shapes 0.003). Muon's RMS matching
+    lr: float | None = None  # peak; None: the task's tuned default (text 0.03, shapes 0.0025). Muon's RMS matching
     # lets one rate serve Muon and AdamW (§8.2); lower it for larger models
     lr_scale: dict | None = None  # {parameter group or "muon" / "adamw": multiplier of the peak lr} (§8.8); None:
     # the task's tuned default (text: embeddings ×5, Muon ×0.5; shapes: none)
@@ -113,6 +113,7 @@ class TrainArgs:
         values = {name: copy.deepcopy(default) if getattr(self, name) is None else getattr(self, name)
                   for name, default in DEFAULTS.items()}
         values["preset"] = self.preset or task.default_preset
+        values["batch_size"] = task.default_batch_size if self.batch_size is None else self.batch_size
         values["lr"] = task.default_lr if self.lr is None else self.lr
         values["lr_scale"] = dict(task.default_lr_scale) if self.lr_scale is None else self.lr_scale
         values["data"] = None if self.data is None else os.path.abspath(self.data)
@@ -152,12 +153,13 @@ class TrainArgs:
         return replace(self, **values), changes
 
 
-DEFAULTS = {"task": "text", "seq_len": 256, "batch_size": 16, "grad_accum": 1, "min_lr_ratio": 0.1,
+DEFAULTS = {"task": "text", "seq_len": 256, "grad_accum": 1, "min_lr_ratio": 0.1,
             "warmup_frac": 0.01, "schedule": "cosine", "weight_decay": 0.1, "clip": 1.0, "balancer": "qb",
             "muon_per_head": "qkv",
             "qk_clip_tau": 100.0, "eval_every": 50, "eval_batches": 16, "eval_images": 128, "checkpoint_every": 100,
             "activation_checkpointing": False, "seed": 0, "overrides": {}}
-"""What a TrainArgs field left at None means on a fresh run (preset and lr: the task's; data: Shakespeare)."""
+"""What a TrainArgs field left at None means on a fresh run (preset, batch_size, lr, lr_scale: the task's; data:
+Shakespeare)."""
 
 RESUME_FIXED = ("task", "preset", "data", "overrides", "seq_len", "batch_size", "grad_accum", "seed", "balancer",
                 "muon_per_head", "lr_scale", "schedule", "min_lr_ratio", "warmup_frac", "weight_decay", "clip", "qk_clip_tau")
@@ -202,6 +204,7 @@ def _stored_args(stored: dict) -> dict:
     """A checkpoint's `args` with what older runs left at None resolved (preset, lr, data made absolute)."""
     values = {**copy.deepcopy(DEFAULTS), "preset": None, "data": None, "lr": None, "cache_dir": None,
               "lr_scale": {},  # runs from before per-group scales trained every group at the peak lr
+              "batch_size": 16,  # the one default before each task had its own
               **{k: v for k, v in stored.items() if v is not None}}
     task = TASKS.get(values["task"])
     if task is not None:

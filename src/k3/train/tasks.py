@@ -38,6 +38,7 @@ class TextTask:
     name = "text"
     model_class = K3ForCausalLM
     default_preset = "k3-tiny"
+    default_batch_size = 16  # rows of seq_len tokens
     default_lr = 0.03  # tuned on the k3-tiny Shakespeare demo
     default_lr_scale = {"embed": 5.0, "muon": 0.5}  # likewise (docs/benchmarks.md, "The demo's recipe")
 
@@ -127,7 +128,9 @@ class ShapesTask:
     name = "shapes"
     model_class = K3ForConditionalGeneration
     default_preset = "k3-tiny-vl"
-    default_lr = 0.003  # tuned on the k3-tiny-vl demo: at 0.01 and above the captions ignore the image for long
+    default_batch_size = 32  # images: the step costs 20 ms an image at 32 against 28 at 16 (docs/benchmarks.md)
+    default_lr = 0.0025  # tuned on the k3-tiny-vl demo (docs/benchmarks.md); at 0.01 and above the captions ignore
+    # the image for long
     default_lr_scale: dict[str, float] = {}  # one rate for every group
 
     def __init__(self, config: K3Config, *, batch_size: int, seed: int, eval_images: int = 128,

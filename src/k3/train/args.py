@@ -113,9 +113,9 @@ class TrainArgs:
         values = {name: copy.deepcopy(default) if getattr(self, name) is None else getattr(self, name)
                   for name, default in DEFAULTS.items()}
         values["preset"] = self.preset or task.default_preset
-        values["batch_size"] = task.default_batch_size if self.batch_size is None else self.batch_size
-        values["lr"] = task.default_lr if self.lr is None else self.lr
-        values["lr_scale"] = dict(task.default_lr_scale) if self.lr_scale is None else self.lr_scale
+        for name in TASK_DEFAULTS:
+            mine = getattr(self, name)
+            values[name] = copy.deepcopy(getattr(task, f"default_{name}")) if mine is None else mine
         values["data"] = None if self.data is None else os.path.abspath(self.data)
         return replace(self, **values)
 
@@ -160,6 +160,9 @@ DEFAULTS = {"task": "text", "seq_len": 256, "grad_accum": 1, "min_lr_ratio": 0.1
             "activation_checkpointing": False, "seed": 0, "overrides": {}}
 """What a TrainArgs field left at None means on a fresh run (preset, batch_size, lr, lr_scale: the task's; data:
 Shakespeare)."""
+
+TASK_DEFAULTS = ("batch_size", "lr", "lr_scale")
+"""Fields a task tunes for itself (its `default_<field>`), taken on a fresh run when left at None."""
 
 RESUME_FIXED = ("task", "preset", "data", "overrides", "seq_len", "batch_size", "grad_accum", "seed", "balancer",
                 "muon_per_head", "lr_scale", "schedule", "min_lr_ratio", "warmup_frac", "weight_decay", "clip", "qk_clip_tau")

@@ -106,10 +106,12 @@ def test_train_resume_and_caption_cli(tmp_path, capsys):
 
 
 def test_each_task_has_its_own_batch_and_rate():
-    """Unset, --batch-size and --lr take the task's tuned values (docs/benchmarks.md); given, they are kept."""
+    """Unset, --batch-size, --lr and --min-lr-ratio take the task's tuned values (docs/benchmarks.md); given,
+    they are kept."""
     shapes = TrainArgs(task="shapes", steps=1).for_new_run()
-    assert (shapes.preset, shapes.batch_size, shapes.lr, shapes.lr_scale) == ("k3-tiny-vl", 32, 0.0025, {})
+    assert ((shapes.preset, shapes.batch_size, shapes.lr, shapes.lr_scale, shapes.min_lr_ratio)
+            == ("k3-tiny-vl", 32, 0.0025, {}, 0.3))
     text = TrainArgs(steps=1).for_new_run()
-    assert (text.preset, text.batch_size, text.lr) == ("k3-tiny", 16, 0.03)
-    mine = TrainArgs(task="shapes", steps=1, batch_size=8, lr=0.001).for_new_run()
-    assert (mine.batch_size, mine.lr) == (8, 0.001)
+    assert (text.preset, text.batch_size, text.lr, text.min_lr_ratio) == ("k3-tiny", 16, 0.03, 0.1)
+    mine = TrainArgs(task="shapes", steps=1, batch_size=8, lr=0.001, min_lr_ratio=0.0).for_new_run()
+    assert (mine.batch_size, mine.lr, mine.min_lr_ratio) == (8, 0.001, 0.0)

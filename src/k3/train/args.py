@@ -43,7 +43,8 @@ class TrainArgs:
     # lets one rate serve Muon and AdamW (§8.2); lower it for larger models
     lr_scale: dict | None = None  # {parameter group or "muon" / "adamw": multiplier of the peak lr} (§8.8); None:
     # the task's tuned default (text: embeddings ×5, Muon ×0.5; shapes: none)
-    min_lr_ratio: float | None = None  # 0.1
+    min_lr_ratio: float | None = None  # the schedule's floor / peak; None: the task's tuned default (text 0.1,
+    # shapes 0.3)
     warmup_frac: float | None = None  # 0.01
     schedule: str | None = None  # "cosine" (K3, the default) | "wsd"
     weight_decay: float | None = None  # 0.1
@@ -153,15 +154,14 @@ class TrainArgs:
         return replace(self, **values), changes
 
 
-DEFAULTS = {"task": "text", "seq_len": 256, "grad_accum": 1, "min_lr_ratio": 0.1,
-            "warmup_frac": 0.01, "schedule": "cosine", "weight_decay": 0.1, "clip": 1.0, "balancer": "qb",
+DEFAULTS = {"task": "text", "seq_len": 256, "grad_accum": 1, "warmup_frac": 0.01, "schedule": "cosine", "weight_decay": 0.1, "clip": 1.0, "balancer": "qb",
             "muon_per_head": "qkv",
             "qk_clip_tau": 100.0, "eval_every": 50, "eval_batches": 16, "eval_images": 128, "checkpoint_every": 100,
             "activation_checkpointing": False, "seed": 0, "overrides": {}}
-"""What a TrainArgs field left at None means on a fresh run (preset, batch_size, lr, lr_scale: the task's; data:
+"""What a TrainArgs field left at None means on a fresh run (preset and `TASK_DEFAULTS`: the task's; data:
 Shakespeare)."""
 
-TASK_DEFAULTS = ("batch_size", "lr", "lr_scale")
+TASK_DEFAULTS = ("batch_size", "lr", "lr_scale", "min_lr_ratio")
 """Fields a task tunes for itself (its `default_<field>`), taken on a fresh run when left at None."""
 
 RESUME_FIXED = ("task", "preset", "data", "overrides", "seq_len", "batch_size", "grad_accum", "seed", "balancer",
@@ -207,7 +207,7 @@ def _stored_args(stored: dict) -> dict:
     """A checkpoint's `args` with what older runs left at None resolved (preset, lr, data made absolute)."""
     values = {**copy.deepcopy(DEFAULTS), "preset": None, "data": None, "lr": None, "cache_dir": None,
               "lr_scale": {},  # runs from before per-group scales trained every group at the peak lr
-              "batch_size": 16,  # the one default before each task had its own
+              "batch_size": 16, "min_lr_ratio": 0.1,  # the one default of each before each task had its own
               **{k: v for k, v in stored.items() if v is not None}}
     task = TASKS.get(values["task"])
     if task is not None:

@@ -30,10 +30,10 @@ demo: $(VENV)/.installed
 VISION_MINUTES ?= 6
 VISION_RUN ?= runs/shapes-$(DEMO_STAMP)
 
-# the multimodal job: a tiny vision-language K3 learns to caption generated images of coloured shapes, then
-# captions a held-out image it has never seen
+# the multimodal job: a tiny vision-language K3 (k3-tiny-vl with its language model cut to 3 layers, as in `demo`)
+# learns to caption generated images of coloured shapes, then captions a held-out image it has never seen
 demo-vision: $(VENV)/.installed
-	$(VENV)/bin/k3 train --task shapes --minutes $(VISION_MINUTES) --out $(VISION_RUN)
+	$(VENV)/bin/k3 train --task shapes --override num_hidden_layers=3 --minutes $(VISION_MINUTES) --out $(VISION_RUN)
 	@echo "--- held-out captions ($(VISION_RUN)/examples/captions.txt) ---"
 	@cat $(VISION_RUN)/examples/captions.txt
 	@echo "--- k3 generate $(VISION_RUN)/model --image $(VISION_RUN)/examples/held_out_0.png ---"

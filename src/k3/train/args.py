@@ -154,8 +154,8 @@ class TrainArgs:
         return replace(self, **values), changes
 
 
-DEFAULTS = {"task": "text", "seq_len": 256, "grad_accum": 1, "warmup_frac": 0.01, "schedule": "cosine", "weight_decay": 0.1, "clip": 1.0, "balancer": "qb",
-            "muon_per_head": "qkv",
+DEFAULTS = {"task": "text", "seq_len": 256, "grad_accum": 1, "warmup_frac": 0.01, "schedule": "cosine",
+            "weight_decay": 0.1, "clip": 1.0, "balancer": "qb", "muon_per_head": "qkv",
             "qk_clip_tau": 100.0, "eval_every": 50, "eval_batches": 16, "eval_images": 128, "checkpoint_every": 100,
             "activation_checkpointing": False, "seed": 0, "overrides": {}}
 """What a TrainArgs field left at None means on a fresh run (preset and `TASK_DEFAULTS`: the task's; data:

@@ -16,6 +16,7 @@ Every expected failure is one line on stderr, `k3 <cmd>: error: <message>`, with
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -285,6 +286,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise Failure(str(e)) from e
     finally:
         if dist.is_initialized():
+            gc.collect()  # free the run's objects (reference cycles too) while the groups and the interpreter live
             dist.destroy_process_group()
     if distributed is not None and not distributed.is_main:
         return 0

@@ -1,9 +1,21 @@
 """KDA core inputs for the op tests (importable: tests/ is on sys.path): random q, k, v, g, β with K3's bounded
-gates, and packed-document ids."""
+gates, packed-document ids, and the chunkwise backends."""
 # Shape suffixes: B batch, T time, H heads, K key dim, V value dim.
 
+import pytest
 import torch
 import torch.nn.functional as F
+
+from k3.ops.kda import cpu
+
+CHUNK_BACKENDS = ("torch", "compiled")  # `chunk_kda(backend=...)`: the same algorithm in torch ops and compiled
+
+
+def chunk_backend(name):
+    """`name`, or skip the test where the compiled kernel could not be built."""
+    if name == "compiled" and not cpu.available():
+        pytest.skip("the compiled KDA kernel could not be built here")
+    return name
 
 # rows of 37 tokens: one-token documents, documents longer than a chunk, a boundary on a chunk edge (16)
 LENGTHS = [[16, 1, 20], [37], [5, 5, 5, 22], [1, 1, 35]]

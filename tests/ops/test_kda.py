@@ -6,15 +6,21 @@ independently of the four-step form used by `recurrent_kda`.
 """
 # Shape suffixes: B batch, T time, H heads, K key dim, V value dim.
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import k3.ops.kda.chunk as chunk_module
-from k3.ops.kda import chunk_kda, recurrent_kda
+from k3.ops.kda import chunk_kda, cpu, recurrent_kda
+from kda_inputs import chunk_backend
 
 B, H, K, V = 2, 2, 24, 40  # K ≠ V: a transposed state fails on shape or value (§3.4)
-OPS = {"recurrent": recurrent_kda, "chunk": chunk_kda}
+# the chunkwise algorithm twice: in torch ops and compiled (`k3.ops.kda.cpu`, bounded gates only)
+OPS = {"recurrent": recurrent_kda, "chunk": functools.partial(chunk_kda, backend="torch"),
+       "compiled": functools.partial(chunk_kda, backend="compiled")}
+BOUNDED_ONLY = {"compiled"}
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 
@@ -66,8 +72,17 @@ def max_err(x, y):
     return (x.double() - y.double()).abs().max().item()
 
 
+def op_fn(op):
+    return OPS[chunk_backend(op)]
+
+
 def run(op, inputs, **kwargs):
-    return OPS[op](**inputs, output_final_state=True, **kwargs)
+    return op_fn(op)(**inputs, output_final_state=True, **kwargs)
+
+
+def with_gates(gates):
+    """(op, gate) pairs: every op with every gate, the compiled kernel with bounded gates only."""
+    return [(op, gate) for op in OPS for gate in gates if not (op in BOUNDED_ONLY and gate == "softplus")]
 
 
 def grads(op, inputs, seed=1):
@@ -90,7 +105,7 @@ def test_float64_matches_literal_loop(op, T):
     assert max_err(o, o_ref) < 1e-12 and max_err(S, S_ref) < 1e-12
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", [op for op in OPS if op not in BOUNDED_ONLY])
 def test_float64_strong_softplus_gates(op):
     inputs = make_inputs(130, gate="softplus")
     assert inputs["g"].min() < -70
@@ -99,8 +114,7 @@ def test_float64_strong_softplus_gates(op):
     assert max_err(o, o_ref) < 1e-12 and max_err(S, S_ref) < 1e-12
 
 
-@pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+@pytest.mark.parametrize("op, gate", with_gates(["bounded", "softplus"]))
 def test_fp32_close_to_float64(op, gate):
     inputs = make_inputs(200, gate=gate, dtype=torch.float32)
     o, S = run(op, inputs)
@@ -109,16 +123,15 @@ def test_fp32_close_to_float64(op, gate):
     assert max_err(o, o_ref) < 1e-5 and max_err(S, S_ref) < 1e-5
 
 
-@pytest.mark.parametrize("gate", ["bounded", "softplus"])
-def test_float64_gradients_chunk_vs_recurrent(gate):
+@pytest.mark.parametrize("op, gate", [p for p in with_gates(["bounded", "softplus"]) if p[0] != "recurrent"])
+def test_float64_gradients_chunk_vs_recurrent(op, gate):
     inputs = make_inputs(130, gate=gate)
-    chunk_grads, recurrent_grads = grads("chunk", inputs), grads("recurrent", inputs)
+    chunk_grads, recurrent_grads = grads(op, inputs), grads("recurrent", inputs)
     for name in NAMES:
         torch.testing.assert_close(chunk_grads[name], recurrent_grads[name], rtol=1e-10, atol=1e-10, msg=name)
 
 
-@pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("gate", ["bounded", "at_bound", "softplus"])
+@pytest.mark.parametrize("op, gate", with_gates(["bounded", "at_bound", "softplus"]))
 def test_fp32_gradients_finite_and_close(op, gate):
     """No NaN/Inf with every gate at the bound −5 or with softplus gates beyond −70; fp32 ≈ float64 gradients."""
     inputs = make_inputs(130, gate="softplus" if gate == "softplus" else "bounded")
@@ -131,22 +144,25 @@ def test_fp32_gradients_finite_and_close(op, gate):
         assert max_err(fp32[name], exact[name]) < 1e-4 * (1 + exact[name].abs().max().item()), name
 
 
+@pytest.mark.parametrize("op, gate", [("chunk", "softplus"), ("compiled", "bounded")])
 @pytest.mark.parametrize("chunk_size", [1, 16, 24, 32, 128])
-def test_chunk_sizes_agree(chunk_size):
-    inputs = make_inputs(130, gate="softplus")
-    o, S = run("chunk", inputs, chunk_size=chunk_size)
-    o_64, S_64 = run("chunk", inputs)
+def test_chunk_sizes_agree(op, gate, chunk_size):
+    inputs = make_inputs(130, gate=gate)
+    o, S = run(op, inputs, chunk_size=chunk_size)
+    o_64, S_64 = run(op, inputs)
     assert max_err(o, o_64) < 1e-12 and max_err(S, S_64) < 1e-12
 
 
+@pytest.mark.parametrize("op", ["chunk", "compiled"])
 @pytest.mark.parametrize(("T", "chunk_size", "padded"), [(21, 64, 32), (10, 24, 16), (64, 64, 64), (70, 64, 64)])
-def test_short_sequence_pads_to_whole_sub_chunks(monkeypatch, T, chunk_size, padded):
+def test_short_sequence_pads_to_whole_sub_chunks(monkeypatch, op, T, chunk_size, padded):
     """A sequence shorter than a chunk runs as one chunk cut to whole sub-chunks (16, or gcd(chunk_size, 16))."""
     seen = []
-    apply = chunk_module.ChunkKDAFunction.apply
-    monkeypatch.setattr(chunk_module.ChunkKDAFunction, "apply", lambda *a: seen.append(a[0].shape[-2]) or apply(*a))
+    function = chunk_module.cpu.CpuChunkKDAFunction if op == "compiled" else chunk_module.ChunkKDAFunction
+    apply = function.apply
+    monkeypatch.setattr(function, "apply", lambda *a: seen.append(a[0].shape[-2]) or apply(*a))
     inputs = make_inputs(T)
-    o, S = run("chunk", inputs, chunk_size=chunk_size)
+    o, S = run(op, inputs, chunk_size=chunk_size)
     o_ref, S_ref = reference(inputs)
     assert seen == [padded]
     assert max_err(o, o_ref) < 1e-12 and max_err(S, S_ref) < 1e-12
@@ -166,7 +182,7 @@ def test_single_token_and_scale(op):
 @pytest.mark.parametrize("op", OPS)
 def test_defaults_zero_state_and_no_final_state(op):
     inputs = make_inputs(37)
-    o, S = OPS[op](*(inputs[name] for name in NAMES[:5]))
+    o, S = op_fn(op)(*(inputs[name] for name in NAMES[:5]))
     assert S is None
     o_ref, _ = reference({**inputs, "initial_state": torch.zeros(B, H, K, V, dtype=torch.float64)})
     assert max_err(o, o_ref) < 1e-12
@@ -246,10 +262,33 @@ def test_invalid_shapes_raise(op, case):
     corrupt, message = BAD_INPUTS[case]
     corrupt(inputs)
     with pytest.raises(ValueError, match=message):
-        OPS[op](**inputs)
+        op_fn(op)(**inputs)
 
 
 @pytest.mark.parametrize("chunk_size", [0, -64, 16.0])
 def test_invalid_chunk_size_raises(chunk_size):
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_kda(**make_inputs(5), chunk_size=chunk_size)
+
+
+def test_auto_backend_takes_the_kernel_only_where_it_applies(monkeypatch):
+    """"auto": the compiled kernel for bounded gates on CPU; gates beyond the bound, or a kernel that could not be
+    built, run the torch ops with the same results; "compiled" then says why it cannot run."""
+    calls = []
+    for function in (chunk_module.ChunkKDAFunction, cpu.CpuChunkKDAFunction):
+        apply = function.apply
+        monkeypatch.setattr(function, "apply", lambda *a, f=function, apply=apply: calls.append(f) or apply(*a))
+    bounded, softplus = make_inputs(40), make_inputs(40, gate="softplus")
+    o_auto, _ = chunk_kda(**softplus)
+    o_torch, _ = chunk_kda(**softplus, backend="torch")
+    assert calls == [chunk_module.ChunkKDAFunction] * 2 and torch.equal(o_auto, o_torch)
+    with pytest.raises(ValueError, match="backend 'compiled' needs CPU tensors, gates above -5.33 per token"):
+        chunk_kda(**softplus, backend="compiled")
+    monkeypatch.setattr(cpu, "_build", lambda: (None, "RuntimeError: no compiler"))
+    calls.clear()
+    o_auto, _ = chunk_kda(**bounded)
+    assert calls == [chunk_module.ChunkKDAFunction] and max_err(o_auto, reference(bounded)[0]) < 1e-12
+    with pytest.raises(ValueError, match="could not be built here"):
+        chunk_kda(**bounded, backend="compiled")
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'torch', 'compiled', got 'fast'"):
+        chunk_kda(**bounded, backend="fast")

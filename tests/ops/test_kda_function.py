@@ -1,4 +1,5 @@
-"""The hand-derived backward of the chunkwise KDA core (`ChunkKDAFunction`, docs/architecture.md §3.5, §3.6, §3.8).
+"""The hand-derived backward of the chunkwise KDA core (`ChunkKDAFunction`, docs/architecture.md §3.5, §3.6, §3.8),
+in torch ops and compiled (`k3.ops.kda.cpu`, K3's bounded gates).
 
 Every gradient (q, k, v, g, β, initial state) of `chunk_kda` against autograd through the token-by-token
 reference `recurrent_kda` (§3.4), in float64 to ~1e-10 and in float32 within a stated tolerance; with K ≠ V, T not
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from k3.ops.kda import chunk_kda, recurrent_kda
 from k3.ops.kda import function
+from kda_inputs import CHUNK_BACKENDS, chunk_backend
 
 B, H, K, V = 2, 3, 12, 20  # K ≠ V
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -66,6 +68,11 @@ def chunked(inputs, **kwargs):
     return chunk_kda(**inputs, **kwargs)
 
 
+@pytest.fixture(params=CHUNK_BACKENDS)
+def backend(request):
+    return chunk_backend(request.param)
+
+
 def recurrent(inputs, **kwargs):
     return recurrent_kda(**inputs, **kwargs)
 
@@ -82,9 +89,9 @@ def assert_all_close(chunk_result, reference_result, tol):
 
 @pytest.mark.parametrize("chunk_size, T", [(64, 150), (16, 45), (24, 50), (8, 8), (5, 13)])
 @pytest.mark.parametrize("output_final_state", [True, False])
-def test_float64_every_gradient_matches_recurrent(chunk_size, T, output_final_state):
+def test_float64_every_gradient_matches_recurrent(backend, chunk_size, T, output_final_state):
     inputs = make_inputs(T)
-    assert_all_close(losses_and_grads(chunked, inputs, output_final_state, chunk_size=chunk_size),
+    assert_all_close(losses_and_grads(chunked, inputs, output_final_state, chunk_size=chunk_size, backend=backend),
                      losses_and_grads(recurrent, inputs, output_final_state), 1e-10)
 
 
@@ -97,12 +104,13 @@ def test_float64_strong_softplus_gates_every_gradient():
 
 
 @pytest.mark.parametrize("output_final_state", [True, False])
-def test_float64_reset_chunks_every_gradient(output_final_state):
+def test_float64_reset_chunks_every_gradient(backend, output_final_state):
     """A reset zeroes the state entering the chunk (§3.8); the initial state's gradient stops there."""
     chunk_size, T = 8, 37
     inputs = make_inputs(T)
     reset = torch.tensor([[False, True, False, True, True], [True, False, False, True, False]])
-    chunk_result = losses_and_grads(chunked, inputs, output_final_state, chunk_size=chunk_size, reset_chunks=reset)
+    chunk_result = losses_and_grads(chunked, inputs, output_final_state, chunk_size=chunk_size, reset_chunks=reset,
+                                    backend=backend)
     reference_result = losses_and_grads(
         lambda x, output_final_state: segmented_recurrent(x, chunk_size, reset, output_final_state), inputs,
         output_final_state)
@@ -110,12 +118,12 @@ def test_float64_reset_chunks_every_gradient(output_final_state):
     assert chunk_result[2]["initial_state"][1].abs().max() == 0  # row 1 resets its first chunk
 
 
-def test_only_the_final_state_or_only_the_output_is_used():
+def test_only_the_final_state_or_only_the_output_is_used(backend):
     """Unused outputs arrive in backward as None (no zero tensors materialised) and give the same gradients."""
     inputs = make_inputs(40)
     for use in ("o", "S"):
         grads = []
-        for op, kwargs in ((chunked, dict(chunk_size=16)), (recurrent, {})):
+        for op, kwargs in ((chunked, dict(chunk_size=16, backend=backend)), (recurrent, {})):
             leaves = {name: t.clone().requires_grad_() for name, t in inputs.items()}
             o, S = op(leaves, output_final_state=True, **kwargs)
             loss = (o.sin() if use == "o" else S.cos()).sum()
@@ -131,9 +139,9 @@ def test_bounded_gate_matmul_path_equals_the_pairwise_path(monkeypatch, dtype, t
     same outputs and gradients (float64 to rounding, fp32 within 2e-6 of the largest magnitude)."""
     inputs = make_inputs(100, dtype=dtype)
     inputs["g"][:, :40] = -5.0  # at the bound: −75 nats across a sub-chunk
-    fast = losses_and_grads(chunked, inputs)
+    fast = losses_and_grads(chunked, inputs, backend="torch")
     monkeypatch.setattr(function, "MAX_EXPONENT", -1.0)  # no gate passes: pairwise diagonal blocks
-    pairwise = losses_and_grads(chunked, inputs)
+    pairwise = losses_and_grads(chunked, inputs, backend="torch")
     for name, ours, ref in [("o", fast[0], pairwise[0]), ("S", fast[1], pairwise[1]),
                             *((f"d{n}", fast[2][n], pairwise[2][n]) for n in NAMES)]:
         assert (ours - ref).abs().max() <= tol * (1 + ref.abs().max()), name
@@ -152,7 +160,7 @@ def test_bounded_path_is_taken_only_within_the_bound():
     assert pairwise(g_BHUCK.index_fill(-2, torch.tensor([3]), math.nan))
 
 
-def test_gradcheck_tiny_double():
+def test_gradcheck_tiny_double(backend):
     """torch.autograd.gradcheck (finite differences) of the Function itself, with a reset and a ragged T."""
     inputs = make_inputs(7, b=2, h=1, k=3, v=2)
     reset = torch.tensor([[False, False, True, False], [False, True, False, False]])
@@ -160,19 +168,21 @@ def test_gradcheck_tiny_double():
 
     def op(q, k, v, g, beta, initial_state):
         o, S = chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True, chunk_size=2,
-                         reset_chunks=reset, scale=0.7)
+                         reset_chunks=reset, scale=0.7, backend=backend)
         return o, S
 
     assert torch.autograd.gradcheck(op, leaves, eps=1e-6, atol=1e-7, rtol=1e-6)
 
 
-@pytest.mark.parametrize("gate, forward_tol, gradient_tol", [("bounded", 2e-6, 5e-6), ("softplus", 2e-5, 1e-4)])
-def test_float32_close_to_float64(gate, forward_tol, gradient_tol):
+@pytest.mark.parametrize("backend, gate, forward_tol, gradient_tol",
+                         [("torch", "bounded", 2e-6, 5e-6), ("compiled", "bounded", 2e-6, 5e-6),
+                          ("torch", "softplus", 2e-5, 1e-4)])
+def test_float32_close_to_float64(backend, gate, forward_tol, gradient_tol):
     """fp32 forward and gradients vs the float64 recurrence on the same fp32-rounded inputs, relative to
     1 + the largest magnitude. Measured: ≤ 4e-7 / 7e-7 with K3's gates, ≤ 3e-6 / 1e-5 with softplus gates down to
     −70 per step (as before the hand-derived backward)."""
     inputs32 = make_inputs(200, gate=gate, dtype=torch.float32)
-    o, S, grads = losses_and_grads(chunked, inputs32)
+    o, S, grads = losses_and_grads(chunked, inputs32, backend=chunk_backend(backend))
     o_ref, S_ref, grads_ref = losses_and_grads(recurrent, {name: t.double() for name, t in inputs32.items()})
     assert o.dtype == S.dtype == torch.float32
     for name, ours, ref, tol in [("o", o, o_ref, forward_tol), ("S", S, S_ref, forward_tol),
@@ -181,13 +191,14 @@ def test_float32_close_to_float64(gate, forward_tol, gradient_tol):
         assert (ours.double() - ref).abs().max() <= tol * (1 + ref.abs().max()), name
 
 
-def test_saves_only_the_inputs_and_the_chunk_states():
-    """Memory linear in T: what `ChunkKDAFunction` keeps for backward is its inputs and one [K,V] state per chunk."""
+def test_saves_only_the_inputs_and_the_chunk_states(backend):
+    """Memory linear in T: what the Function keeps for backward is its inputs (the compiled one: e^g for g) and one
+    [K,V] state per chunk."""
     T, chunk_size = 100, 16
     inputs = {name: t.requires_grad_() for name, t in make_inputs(T).items()}
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        chunk_kda(**inputs, chunk_size=chunk_size)
+        chunk_kda(**inputs, chunk_size=chunk_size, backend=backend)
     n_chunks = -(-T // chunk_size)
     function_saved = [t for t in saved if t.dim() == 5]  # the Function's [B,H,U,C,·] and [B,H,U,K,V] tensors
     assert sorted(tuple(t.shape) for t in function_saved) == sorted(

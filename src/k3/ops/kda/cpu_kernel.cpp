@@ -1,0 +1,385 @@
+// The chunkwise KDA core for CPUs (docs/architecture.md §3.5, §3.6): the algorithm of `function.py`'s
+// `ChunkKDAFunction` for K3's bounded gates, one (batch, head) at a time and one chunk at a time, so every
+// intermediate lives in a few chunk-sized buffers that stay in the core's cache. Matrix products go to the BLAS that
+// PyTorch links (MKL's sgemm_/dgemm_); the element-wise steps are plain loops the compiler vectorises.
+//
+// Decays come as products of e^g (given, from PyTorch's vectorised exp) instead of exponentials of sums: e^{b_r} is
+// the running product of e^{g_i}, e^{b_a − b_j} the product of the e^{g_i} in between. A product that falls below
+// ε² (ε the dtype's machine epsilon) is flushed to 0, as `_exp_decay` does, so nothing reaches subnormal numbers.
+// Only bounded gates (every 16-token sub-chunk decays by at most e^80): the reciprocal factors of the diagonal
+// blocks stay finite; `cpu.py` checks the bound and otherwise uses the torch path.
+//
+// Shape suffixes as in function.py: U chunks of C tokens, sub-chunks of Z, u = C / Z of them per chunk.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <limits>
+#include <vector>
+
+extern "C" {
+void sgemm_(const char *ta, const char *tb, const int *m, const int *n, const int *k, const float *alpha,
+            const float *a, const int *lda, const float *b, const int *ldb, const float *beta, float *c,
+            const int *ldc);
+void dgemm_(const char *ta, const char *tb, const int *m, const int *n, const int *k, const double *alpha,
+            const double *a, const int *lda, const double *b, const int *ldb, const double *beta, double *c,
+            const int *ldc);
+}
+
+namespace {
+
+// Row-major C[m×n] = alpha · op(A)[m×k] · op(B)[k×n] + beta · C (op = transpose when ta / tb), through the
+// column-major BLAS: the row-major C is the column-major Cᵀ = op(B)ᵀ op(A)ᵀ.
+void gemm(bool ta, bool tb, int m, int n, int k, float alpha, const float *A, int lda, const float *B, int ldb,
+          float beta, float *C, int ldc) {
+  const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
+  sgemm_(&tB, &tA, &n, &m, &k, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
+}
+
+void gemm(bool ta, bool tb, int m, int n, int k, double alpha, const double *A, int lda, const double *B, int ldb,
+          double beta, double *C, int ldc) {
+  const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
+  dgemm_(&tB, &tA, &n, &m, &k, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
+}
+
+template <typename T> T flushed(T x) { return x < std::numeric_limits<T>::epsilon() * std::numeric_limits<T>::epsilon() ? T(0) : x; }
+
+// out[i] = a[i] * b[i] over n numbers
+template <typename T> void mul(T *out, const T *a, const T *b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] * b[i];
+}
+
+struct Sizes {
+  int64_t C, K, V, Z, u;
+};
+
+// The inputs of one chunk of one (batch, head): q (scaled), k, e^g [C,K], v [C,V], β [C].
+template <typename T> struct ChunkIn {
+  const T *q, *k, *eg, *v, *beta;
+};
+
+// §3.5 steps 1–3 and 5 for one chunk: everything that does not depend on the state (`_intra_chunk`).
+template <typename T> struct IntraChunk {
+  Sizes s;
+  std::vector<T> decay, to_end;  // e^{b_r}, e^{b_C − b_r} [C,K]
+  std::vector<T> rows;           // e^{b_r − b_a}, a the first row of r's sub-chunk [C,K]
+  std::vector<T> cols, k_cols;   // per anchor sub-chunk a: e^{b_a − b_j} (j before the end of a's sub-chunk), k ⊙ it [u,C,K]
+  std::vector<T> x_rows;         // per sub-chunk: q ⊙ rows, then k ⊙ rows [u,2Z,K]
+  std::vector<T> M, P, Tm;       // query–key scores (j ≤ r), key–key scores (j < r), (I + Diag(β) P)⁻¹ [C,C]
+  std::vector<T> W, Uv;          // T·Diag(β)·(e^b ⊙ K) [C,K], T·Diag(β)·V [C,V]
+  std::vector<T> after, span, scratch;
+
+  explicit IntraChunk(Sizes s)
+      : s(s), decay(s.C * s.K), to_end(s.C * s.K), rows(s.C * s.K), cols(s.u * s.C * s.K), k_cols(s.u * s.C * s.K),
+        x_rows(s.u * 2 * s.Z * s.K), M(s.C * s.C), P(s.C * s.C), Tm(s.C * s.C), W(s.C * s.K), Uv(s.C * s.V),
+        after(s.C * s.K), span(s.K), scratch(2 * s.Z * s.C + s.C * std::max(s.K, s.V)) {}
+
+  void compute(const ChunkIn<T> &in) {
+    const int64_t C = s.C, K = s.K, V = s.V, Z = s.Z;
+    // e^{b_r} = Π_{i≤r} e^{g_i}; e^{b_C − b_r} = Π_{i>r} e^{g_i}
+    for (int64_t c = 0; c < K; ++c) decay[c] = flushed(in.eg[c]);
+    for (int64_t r = 1; r < C; ++r)
+      for (int64_t c = 0; c < K; ++c) decay[r * K + c] = flushed(decay[(r - 1) * K + c] * in.eg[r * K + c]);
+    for (int64_t c = 0; c < K; ++c) to_end[(C - 1) * K + c] = T(1);
+    for (int64_t r = C - 2; r >= 0; --r)
+      for (int64_t c = 0; c < K; ++c) to_end[r * K + c] = flushed(to_end[(r + 1) * K + c] * in.eg[(r + 1) * K + c]);
+    score_factors(in);
+    decayed_scores(in);
+    wy_representation(in);
+  }
+
+  // `_score_factors`, bounded gates: rows e^{b_r − b_a}; columns e^{b_a − b_j}: the product of the e^g in between
+  // for j in an earlier sub-chunk s (within s, then across the sub-chunks up to the anchor), 1 / rows for j in a.
+  void score_factors(const ChunkIn<T> &in) {
+    const int64_t C = s.C, K = s.K, Z = s.Z;
+    for (int64_t a0 = 0; a0 < C; a0 += Z) {
+      for (int64_t c = 0; c < K; ++c) rows[a0 * K + c] = T(1);
+      for (int64_t r = a0 + 1; r < a0 + Z; ++r)
+        for (int64_t c = 0; c < K; ++c) rows[r * K + c] = rows[(r - 1) * K + c] * in.eg[r * K + c];
+      // after[j] = e^{b_e − b_j}, e the last row of j's sub-chunk
+      for (int64_t c = 0; c < K; ++c) after[(a0 + Z - 1) * K + c] = T(1);
+      for (int64_t j = a0 + Z - 2; j >= a0; --j)
+        for (int64_t c = 0; c < K; ++c) after[j * K + c] = flushed(after[(j + 1) * K + c] * in.eg[(j + 1) * K + c]);
+    }
+    for (int64_t a = 0; a < s.u; ++a) {
+      const int64_t a0 = a * Z;
+      T *cols_a = cols.data() + a * C * K;
+      for (int64_t j = a0; j < a0 + Z; ++j)  // the anchor's own sub-chunk: e^{−(b_j − b_a)} ≤ e^80
+        for (int64_t c = 0; c < K; ++c) cols_a[j * K + c] = T(1) / rows[j * K + c];
+      for (int64_t c = 0; c < K; ++c) span[c] = flushed(in.eg[a0 * K + c]);  // e^{b_a − b_e}, e the end of s = a − 1
+      for (int64_t s0 = a0 - Z; s0 >= 0; s0 -= Z) {
+        for (int64_t j = s0; j < s0 + Z; ++j)
+          for (int64_t c = 0; c < K; ++c) cols_a[j * K + c] = flushed(span[c] * after[j * K + c]);
+        for (int64_t c = 0; c < K; ++c)  // across the whole sub-chunk s: e^{g_{s0}} · e^{b_e − b_{s0}}
+          span[c] = flushed(span[c] * in.eg[s0 * K + c] * after[s0 * K + c]);
+      }
+      mul(k_cols.data() + a * C * K, in.k, cols_a, (a0 + Z) * K);
+    }
+  }
+
+  // `_decayed_scores`: per sub-chunk a, (q ⊙ rows ‖ k ⊙ rows) (k ⊙ cols)ᵀ over the columns up to a's end.
+  void decayed_scores(const ChunkIn<T> &in) {
+    const int64_t C = s.C, K = s.K, Z = s.Z;
+    T *out = scratch.data();  // [2Z, C]
+    for (int64_t a = 0; a < s.u; ++a) {
+      const int64_t a0 = a * Z, n = a0 + Z;
+      T *x = x_rows.data() + a * 2 * Z * K;
+      mul(x, in.q + a0 * K, rows.data() + a0 * K, Z * K);
+      mul(x + Z * K, in.k + a0 * K, rows.data() + a0 * K, Z * K);
+      gemm(false, true, 2 * Z, n, K, T(1), x, K, k_cols.data() + a * C * K, K, T(0), out, C);
+      for (int64_t i = 0; i < Z; ++i) {
+        const int64_t r = a0 + i;
+        for (int64_t j = 0; j < C; ++j) {
+          M[r * C + j] = j <= r ? out[i * C + j] : T(0);
+          P[r * C + j] = j < r ? out[(Z + i) * C + j] : T(0);
+        }
+      }
+    }
+  }
+
+  // `_wy_representation`: T = (I + A)⁻¹ by forward substitution (A = Diag(β) P, strictly lower), then W, U.
+  void wy_representation(const ChunkIn<T> &in) {
+    const int64_t C = s.C, K = s.K, V = s.V;
+    std::fill(Tm.begin(), Tm.end(), T(0));
+    for (int64_t r = 0; r < C; ++r) {
+      T *t_r = Tm.data() + r * C;
+      t_r[r] = T(1);
+      for (int64_t i = 0; i < r; ++i) {  // row r of T: e_r − Σ_{i<r} A[r,i] T[i]
+        const T a = in.beta[r] * P[r * C + i];
+        const T *t_i = Tm.data() + i * C;
+        for (int64_t j = 0; j <= i; ++j) t_r[j] -= a * t_i[j];
+      }
+    }
+    T *x = scratch.data();
+    for (int64_t r = 0; r < C; ++r)
+      for (int64_t c = 0; c < K; ++c) x[r * K + c] = in.beta[r] * decay[r * K + c] * in.k[r * K + c];
+    gemm(false, false, C, K, C, T(1), Tm.data(), C, x, K, T(0), W.data(), K);
+    for (int64_t r = 0; r < C; ++r)
+      for (int64_t c = 0; c < V; ++c) x[r * V + c] = in.beta[r] * in.v[r * V + c];
+    gemm(false, false, C, V, C, T(1), Tm.data(), C, x, V, T(0), Uv.data(), V);
+  }
+};
+
+struct Layout {  // element offsets of chunk n of item (b, h) in the [B,H,U,C,X] inputs
+  int64_t U, C, K, V;
+  int64_t ck(int64_t bh, int64_t n) const { return (bh * U + n) * C * K; }
+  int64_t cv(int64_t bh, int64_t n) const { return (bh * U + n) * C * V; }
+  int64_t c1(int64_t bh, int64_t n) const { return (bh * U + n) * C; }
+  int64_t kv(int64_t bh, int64_t n) const { return (bh * U + n) * K * V; }
+};
+
+template <typename T>
+void forward_item(int64_t bh, int64_t H, const Layout &L, const Sizes &s, const T *q, const T *k, const T *eg, const T *v,
+                  const T *beta, const T *keep, T *S, T *S_in, T *o) {
+  const int64_t C = s.C, K = s.K, V = s.V;
+  IntraChunk<T> ic(s);
+  std::vector<T> ut(C * V), qd(C * K), kt(C * K);
+  for (int64_t n = 0; n < L.U; ++n) {
+    if (keep != nullptr && keep[(bh / H) * L.U + n] == T(0)) std::fill(S, S + K * V, T(0));
+    std::copy(S, S + K * V, S_in + L.kv(bh, n));
+    const ChunkIn<T> in{q + L.ck(bh, n), k + L.ck(bh, n), eg + L.ck(bh, n), v + L.cv(bh, n), beta + L.c1(bh, n)};
+    ic.compute(in);
+    std::copy(ic.Uv.begin(), ic.Uv.end(), ut.begin());
+    gemm(false, false, C, V, K, T(-1), ic.W.data(), K, S, V, T(1), ut.data(), V);  // Ũ = U − W S
+    mul(qd.data(), in.q, ic.decay.data(), C * K);
+    T *o_n = o + L.cv(bh, n);
+    gemm(false, false, C, V, K, T(1), qd.data(), K, S, V, T(0), o_n, V);  // O = (Q ⊙ e^b) S + M Ũ
+    gemm(false, false, C, V, C, T(1), ic.M.data(), C, ut.data(), V, T(1), o_n, V);
+    const T *decay_end = ic.decay.data() + (C - 1) * K;  // S ← Diag(e^{b_C}) S + (K ⊙ e^{b_C − b})ᵀ Ũ
+    for (int64_t c = 0; c < K; ++c)
+      for (int64_t j = 0; j < V; ++j) S[c * V + j] *= decay_end[c];
+    mul(kt.data(), in.k, ic.to_end.data(), C * K);
+    gemm(true, false, K, V, C, T(1), kt.data(), K, ut.data(), V, T(1), S, V);
+  }
+}
+
+// The gradients of one chunk, given dO and dS' (the gradient of the state leaving it); see function.py's backward.
+template <typename T> struct ChunkBackward {
+  Sizes s;
+  IntraChunk<T> ic;
+  std::vector<T> ut, du, qd, kt, dq_dec, dk_end, dM, dW, dXk, dXv, dA, dq_M, dk_row, dk_col, part;
+  std::vector<T> ddecay_end, db_end;
+
+  explicit ChunkBackward(Sizes s)
+      : s(s), ic(s), ut(s.C * s.V), du(s.C * s.V), qd(s.C * s.K), kt(s.C * s.K), dq_dec(s.C * s.K),
+        dk_end(s.C * s.K), dM(s.C * s.C), dW(s.C * s.K), dXk(s.C * s.K), dXv(s.C * s.V), dA(s.C * s.C),
+        dq_M(s.C * s.K), dk_row(s.C * s.K), dk_col(s.C * s.K), part(s.C * s.K), ddecay_end(s.K), db_end(s.K) {}
+
+  // dS (in/out): on entry the gradient of the state leaving the chunk, on exit that of the state entering it.
+  void run(const ChunkIn<T> &in, const T *S_in, const T *dO, T *dS, T *dq, T *dk, T *dv, T *dg, T *dbeta) {
+    const int64_t C = s.C, K = s.K, V = s.V, Z = s.Z;
+    ic.compute(in);
+    std::copy(ic.Uv.begin(), ic.Uv.end(), ut.begin());
+    gemm(false, false, C, V, K, T(-1), ic.W.data(), K, S_in, V, T(1), ut.data(), V);  // Ũ = U − W S
+    mul(qd.data(), in.q, ic.decay.data(), C * K);
+    mul(kt.data(), in.k, ic.to_end.data(), C * K);
+    // the state's factors (`_state_backward`), read before dS is overwritten
+    gemm(false, true, C, K, V, T(1), dO, V, S_in, V, T(0), dq_dec.data(), K);      // d(Q ⊙ e^b) = dO Sᵀ
+    gemm(false, true, C, K, V, T(1), ut.data(), V, dS, V, T(0), dk_end.data(), K);  // d(K ⊙ e^{b_C − b}) = Ũ dS'ᵀ
+    for (int64_t c = 0; c < K; ++c) {  // d e^{b_C} = rowsum(S ⊙ dS')
+      T acc = 0;
+      for (int64_t j = 0; j < V; ++j) acc += S_in[c * V + j] * dS[c * V + j];
+      ddecay_end[c] = acc;
+    }
+    gemm(false, true, C, C, V, T(1), dO, V, ut.data(), V, T(0), dM.data(), C);  // dM = dO Ũᵀ (j ≤ r below)
+    // dŨ = Mᵀ dO + (K ⊙ e^{b_C − b}) dS'
+    gemm(true, false, C, V, C, T(1), ic.M.data(), C, dO, V, T(0), du.data(), V);
+    gemm(false, false, C, V, K, T(1), kt.data(), K, dS, V, T(1), du.data(), V);
+    // dS ← (Q ⊙ e^b)ᵀ dO + Diag(e^{b_C}) dS' − Wᵀ dŨ
+    const T *decay_end = ic.decay.data() + (C - 1) * K;
+    for (int64_t c = 0; c < K; ++c)
+      for (int64_t j = 0; j < V; ++j) dS[c * V + j] *= decay_end[c];
+    gemm(true, false, K, V, C, T(1), qd.data(), K, dO, V, T(1), dS, V);
+    gemm(true, false, K, V, C, T(-1), ic.W.data(), K, du.data(), V, T(1), dS, V);
+    gemm(false, true, C, K, V, T(-1), du.data(), V, S_in, V, T(0), dW.data(), K);  // dW = −dŨ Sᵀ
+    intra_backward(in, dq, dk, dv, dg, dbeta);
+  }
+
+  void intra_backward(const ChunkIn<T> &in, T *dq, T *dk, T *dv, T *dg, T *dbeta) {
+    const int64_t C = s.C, K = s.K, V = s.V, Z = s.Z;
+    // `_wy_backward`: dX = Tᵀ d[W ‖ U], dA = −(dX_k Wᵀ + dX_v Uᵀ) for j < r
+    gemm(true, false, C, K, C, T(1), ic.Tm.data(), C, dW.data(), K, T(0), dXk.data(), K);
+    gemm(true, false, C, V, C, T(1), ic.Tm.data(), C, du.data(), V, T(0), dXv.data(), V);
+    gemm(false, true, C, C, K, T(-1), dXk.data(), K, ic.W.data(), K, T(0), dA.data(), C);
+    gemm(false, true, C, C, V, T(-1), dXv.data(), V, ic.Uv.data(), V, T(1), dA.data(), C);
+    for (int64_t r = 0; r < C; ++r) {  // dβ (X_k = Diag(β)(e^b ⊙ K), X_v = Diag(β) V, A = Diag(β) P); dP = Diag(β) dA
+      T acc = 0;
+      for (int64_t c = 0; c < K; ++c) acc += dXk[r * K + c] * ic.decay[r * K + c] * in.k[r * K + c];
+      for (int64_t c = 0; c < V; ++c) acc += dXv[r * V + c] * in.v[r * V + c];
+      for (int64_t j = 0; j < r; ++j) acc += dA[r * C + j] * ic.P[r * C + j];
+      dbeta[r] = acc;
+      for (int64_t j = 0; j < C; ++j) {
+        dA[r * C + j] = j < r ? in.beta[r] * dA[r * C + j] : T(0);
+        dM[r * C + j] = j <= r ? dM[r * C + j] : T(0);
+      }
+      for (int64_t c = 0; c < V; ++c) dv[r * V + c] = in.beta[r] * dXv[r * V + c];
+    }
+    scores_backward();
+    // dq, dk and ∂/∂b_r (e^{b_r} in Q ⊙ e^b and X_k; b_r − b_j in M and P; b_C − b_r in K ⊙ e^{b_C − b}), then
+    // ∂/∂g_i = Σ_{r ≥ i} ∂/∂b_r with b_C's own gradient on the last row
+    std::fill(db_end.begin(), db_end.end(), T(0));
+    for (int64_t r = 0; r < C; ++r) {
+      const T b = in.beta[r];
+      for (int64_t c = 0; c < K; ++c) {
+        const int64_t i = r * K + c;
+        const T e = ic.decay[i], kk = in.k[i];
+        const T dqi = e * dq_dec[i] + dq_M[i];
+        const T to_end = kk * ic.to_end[i] * dk_end[i];
+        dq[i] = dqi;
+        dk[i] = dk_row[i] + dk_col[i] + b * e * dXk[i] + ic.to_end[i] * dk_end[i];
+        dg[i] = in.q[i] * dqi + b * kk * e * dXk[i] + kk * (dk_row[i] - dk_col[i]) - to_end;
+        db_end[c] += to_end;
+      }
+    }
+    for (int64_t c = 0; c < K; ++c) dg[(C - 1) * K + c] += db_end[c] + ic.decay[(C - 1) * K + c] * ddecay_end[c];
+    for (int64_t r = C - 2; r >= 0; --r)
+      for (int64_t c = 0; c < K; ++c) dg[r * K + c] += dg[(r + 1) * K + c];
+  }
+
+  // `_decayed_scores_backward` at fixed decays: per sub-chunk a, dx = (d (k ⊙ cols)) ⊙ rows for its q and k rows,
+  // dk_cols += (dᵀ (x ⊙ rows)) ⊙ cols over the columns up to a's end. d = dM for q's rows, dP for k's.
+  void scores_backward() {
+    const int64_t C = s.C, K = s.K, Z = s.Z;
+    std::fill(dk_col.begin(), dk_col.end(), T(0));
+    for (int64_t a = 0; a < s.u; ++a) {
+      const int64_t a0 = a * Z, n = a0 + Z;
+      const T *kc = ic.k_cols.data() + a * C * K, *x = ic.x_rows.data() + a * 2 * Z * K;
+      const T *rows = ic.rows.data() + a0 * K;
+      gemm(false, false, Z, K, n, T(1), dM.data() + a0 * C, C, kc, K, T(0), dq_M.data() + a0 * K, K);
+      gemm(false, false, Z, K, n, T(1), dA.data() + a0 * C, C, kc, K, T(0), dk_row.data() + a0 * K, K);
+      for (int64_t i = 0; i < Z * K; ++i) {
+        dq_M[a0 * K + i] *= rows[i];
+        dk_row[a0 * K + i] *= rows[i];
+      }
+      gemm(true, false, n, K, Z, T(1), dM.data() + a0 * C, C, x, K, T(0), part.data(), K);
+      gemm(true, false, n, K, Z, T(1), dA.data() + a0 * C, C, x + Z * K, K, T(1), part.data(), K);
+      const T *cols = ic.cols.data() + a * C * K;
+      for (int64_t i = 0; i < n * K; ++i) dk_col[i] += part[i] * cols[i];
+    }
+  }
+};
+
+template <typename T>
+void backward_item(int64_t bh, int64_t H, const Layout &L, const Sizes &s, const T *q, const T *k, const T *eg, const T *v,
+                   const T *beta, const T *keep, const T *S_in, const T *dO, T *dS, T *dq, T *dk, T *dv, T *dg,
+                   T *dbeta) {
+  ChunkBackward<T> cb(s);
+  for (int64_t n = L.U - 1; n >= 0; --n) {
+    const ChunkIn<T> in{q + L.ck(bh, n), k + L.ck(bh, n), eg + L.ck(bh, n), v + L.cv(bh, n), beta + L.c1(bh, n)};
+    cb.run(in, S_in + L.kv(bh, n), dO + L.cv(bh, n), dS, dq + L.ck(bh, n), dk + L.ck(bh, n), dv + L.cv(bh, n),
+           dg + L.ck(bh, n), dbeta + L.c1(bh, n));
+    if (keep != nullptr && keep[(bh / H) * L.U + n] == T(0)) std::fill(dS, dS + s.K * s.V, T(0));
+  }
+}
+
+Sizes sizes_of(const torch::Tensor &q, const torch::Tensor &v, int64_t Z) {
+  const int64_t C = q.size(3);
+  return Sizes{C, q.size(4), v.size(4), Z, C / Z};
+}
+
+void check(const std::vector<torch::Tensor> &ts, const torch::Tensor &keep) {
+  for (const auto &t : ts) {
+    TORCH_CHECK(t.is_contiguous() && t.device().is_cpu() && t.scalar_type() == ts[0].scalar_type(),
+                "kda cpu kernel: inputs must be contiguous CPU tensors of one dtype");
+  }
+  TORCH_CHECK(!keep.defined() || (keep.is_contiguous() && keep.scalar_type() == ts[0].scalar_type()),
+              "kda cpu kernel: keep must be contiguous in the compute dtype");
+}
+
+// (o [B,H,U,C,V], final state [B,H,K,V], state entering every chunk [B,H,U,K,V])
+std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor eg,
+                                   torch::Tensor beta, torch::Tensor S0, c10::optional<torch::Tensor> keep_opt,
+                                   int64_t Z) {
+  const torch::Tensor keep = keep_opt.has_value() ? keep_opt.value() : torch::Tensor();
+  check({q, k, v, eg, beta, S0}, keep);
+  const int64_t B = q.size(0), H = q.size(1), U = q.size(2);
+  const Sizes s = sizes_of(q, v, Z);
+  const Layout L{U, s.C, s.K, s.V};
+  auto o = torch::empty_like(v);
+  auto S = S0.clone();
+  auto S_in = torch::empty({B, H, U, s.K, s.V}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "kda_cpu_forward", [&] {
+    const scalar_t *keep_p = keep.defined() ? keep.data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bh = begin; bh < end; ++bh)
+        forward_item<scalar_t>(bh, H, L, s, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), eg.data_ptr<scalar_t>(),
+                               v.data_ptr<scalar_t>(), beta.data_ptr<scalar_t>(), keep_p,
+                               S.data_ptr<scalar_t>() + bh * s.K * s.V, S_in.data_ptr<scalar_t>(),
+                               o.data_ptr<scalar_t>());
+    });
+  });
+  return {o, S, S_in};
+}
+
+// (dq, dk, dv, dg, dβ, dS0)
+std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor eg,
+                                    torch::Tensor beta, torch::Tensor S_in, c10::optional<torch::Tensor> keep_opt,
+                                    torch::Tensor dO, torch::Tensor dS_end, int64_t Z) {
+  const torch::Tensor keep = keep_opt.has_value() ? keep_opt.value() : torch::Tensor();
+  check({q, k, v, eg, beta, S_in, dO, dS_end}, keep);
+  const int64_t B = q.size(0), H = q.size(1), U = q.size(2);
+  const Sizes s = sizes_of(q, v, Z);
+  const Layout L{U, s.C, s.K, s.V};
+  auto dq = torch::empty_like(q), dk = torch::empty_like(k), dv = torch::empty_like(v), dg = torch::empty_like(eg);
+  auto dbeta = torch::empty_like(beta);
+  auto dS = dS_end.clone();
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "kda_cpu_backward", [&] {
+    const scalar_t *keep_p = keep.defined() ? keep.data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bh = begin; bh < end; ++bh)
+        backward_item<scalar_t>(bh, H, L, s, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), eg.data_ptr<scalar_t>(),
+                                v.data_ptr<scalar_t>(), beta.data_ptr<scalar_t>(), keep_p, S_in.data_ptr<scalar_t>(),
+                                dO.data_ptr<scalar_t>(), dS.data_ptr<scalar_t>() + bh * s.K * s.V,
+                                dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
+                                dg.data_ptr<scalar_t>(), dbeta.data_ptr<scalar_t>());
+    });
+  });
+  return {dq, dk, dv, dg, dbeta, dS};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "chunkwise KDA forward (bounded gates)");
+  m.def("backward", &backward, "chunkwise KDA backward (bounded gates)");
+}

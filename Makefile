@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[train,vision,test]"
-	$(PY) -m k3.ops.kda.cpu
+	$(PY) -m k3.ops.kda.build
 	touch $@
 
 DEMO_MINUTES ?= 6

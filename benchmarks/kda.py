@@ -1,4 +1,5 @@
-"""Benchmark of the KDA core: chunk_kda vs recurrent_kda on CPU in fp32 (docs/architecture.md §3.4, §3.5).
+"""Benchmark of the KDA core: chunk_kda (torch ops and compiled) vs recurrent_kda on CPU in fp32 (docs/architecture.md
+§3.4, §3.5, §3.12).
 
 B=1, H=4, K=V=128, T ∈ {1024, 4096, 16384} (--quick: up to 4096); forward (no grad) and forward+backward.
 Every measurement runs in a fresh process, so the reported peak RSS belongs to that measurement alone.
@@ -19,6 +20,7 @@ VMs that can be half of the chunk path's time. Like the `k3` command, the benchm
 
 import argparse
 import concurrent.futures
+import functools
 import multiprocessing
 import resource
 import statistics
@@ -32,7 +34,8 @@ from common import CpuWait, allocator, machine
 from train import matmul_peak_gflops
 
 B, H, K, V = 1, 4, 128, 128
-OPS = {"recurrent": recurrent_kda, "chunk": chunk_kda}
+OPS = {"recurrent": recurrent_kda, "chunk": functools.partial(chunk_kda, backend="torch"),
+       "compiled": functools.partial(chunk_kda, backend="compiled")}
 BUDGET_S = 5.0  # repeat a measurement while it fits in this many seconds (always at least once)
 C = 64  # kda_chunk_size, the default of chunk_kda
 
@@ -95,18 +98,20 @@ def main():
     print(f"fp32 matmul peak (2048³ torch.mm): {peak_gflops:.1f} GFLOP/s")
     print(f"B={B}, H={H}, K=V={K}, fp32, median ms per call; peak RSS of the measuring process; chunk GFLOP = "
           f"H·(6K² + 3CK + C²)·T (×3 with backward), C={C}\n")
-    columns = ["T", "pass", "recurrent ms", "chunk ms", "recurrent tok/s", "chunk tok/s", "recurrent/chunk",
-               "chunk GFLOP", "chunk GFLOP/s (% of peak)", "peak RSS recurrent / chunk (MiB)"]
+    columns = ["T", "pass", "ms: recurrent / chunk / compiled", "compiled tok/s", "recurrent / compiled",
+               "chunk / compiled", "chunk GFLOP", "GFLOP/s (% of peak): chunk / compiled",
+               "peak RSS MiB: recurrent / chunk / compiled"]
     print("| " + " | ".join(columns) + " |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for T in lengths:
         for backward in (False, True):
-            (rec_s, rec_mib), (chunk_s, chunk_mib) = (in_fresh_process(op, T, backward) for op in OPS)
+            (rec_s, rec_mib), (chunk_s, chunk_mib), (comp_s, comp_mib) = (in_fresh_process(op, T, backward)
+                                                                          for op in OPS)
             gflop = chunk_flops(T, backward) / 1e9
-            cells = [T, "fwd+bwd" if backward else "fwd", f"{1e3 * rec_s:.0f}", f"{1e3 * chunk_s:.0f}"]
-            cells += [f"{B * T / rec_s:,.0f}", f"{B * T / chunk_s:,.0f}", f"{rec_s / chunk_s:.1f}", f"{gflop:.2f}"]
-            cells += [f"{gflop / chunk_s:.1f} ({100 * gflop / chunk_s / peak_gflops:.0f} %)"]
-            cells += [f"{rec_mib:,.0f} / {chunk_mib:,.0f}"]
+            rates = [f"{gflop / t:.1f} ({100 * gflop / t / peak_gflops:.0f} %)" for t in (chunk_s, comp_s)]
+            cells = [T, "fwd+bwd" if backward else "fwd", " / ".join(f"{1e3 * t:.0f}" for t in (rec_s, chunk_s, comp_s)),
+                     f"{B * T / comp_s:,.0f}", f"{rec_s / comp_s:.1f}", f"{chunk_s / comp_s:.1f}", f"{gflop:.2f}",
+                     " / ".join(rates), f"{rec_mib:,.0f} / {chunk_mib:,.0f} / {comp_mib:,.0f}"]
             print("| " + " | ".join(map(str, cells)) + " |", flush=True)
     print(f"\nCPU wait (share of the run's wall time in which some task waited for a core): {cpu_wait}")
 

@@ -284,11 +284,12 @@ def test_auto_backend_takes_the_kernel_only_where_it_applies(monkeypatch):
     assert calls == [chunk_module.ChunkKDAFunction] * 2 and torch.equal(o_auto, o_torch)
     with pytest.raises(ValueError, match="backend 'compiled' needs CPU tensors, gates above -5.33 per token"):
         chunk_kda(**softplus, backend="compiled")
-    monkeypatch.setattr(cpu, "_build", lambda: (None, "RuntimeError: no compiler"))
+    monkeypatch.setattr(cpu, "build", lambda: (None, "RuntimeError: no compiler"))
     calls.clear()
-    o_auto, _ = chunk_kda(**bounded)
+    with pytest.warns(UserWarning, match=r"the compiled KDA kernel is unavailable \(RuntimeError: no compiler\)"):
+        o_auto, _ = chunk_kda(**bounded)
     assert calls == [chunk_module.ChunkKDAFunction] and max_err(o_auto, reference(bounded)[0]) < 1e-12
-    with pytest.raises(ValueError, match="could not be built here"):
+    with pytest.raises(ValueError, match="could not be built here"), pytest.warns(UserWarning):
         chunk_kda(**bounded, backend="compiled")
     with pytest.raises(ValueError, match="backend must be one of 'auto', 'torch', 'compiled', got 'fast'"):
         chunk_kda(**bounded, backend="fast")

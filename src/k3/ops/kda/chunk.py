@@ -71,7 +71,7 @@ def _use_compiled(backend, g_BTHK, sub_chunk):
     if backend == "compiled" and not (applies and cpu.available()):
         raise ValueError("backend 'compiled' needs CPU tensors, gates above "
                          f"-{MAX_EXPONENT / (sub_chunk - 1):.3g} per token and the built kernel"
-                         + ("" if cpu.available() else " (it could not be built here; see the log)"))
+                         + ("" if cpu.available() else " (it could not be built here: see the warning)"))
     return applies and cpu.available()
 
 

@@ -2,7 +2,7 @@
 (function.py) one (batch, head) and one chunk at a time, so its intermediates stay in the core's cache.
 
 The kernel is C++ compiled with PyTorch's extension builder (a C++ compiler, and ninja from the `ninja` package) on
-first use, or ahead of time by `python -m k3.ops.kda.cpu` (`make` runs it while installing; ≈ 40 s), and cached per
+first use, or ahead of time by `python -m k3.ops.kda.build` (`make` runs it while installing; ≈ 40 s), and cached per
 user and CPU capability. Where it cannot be built, `available()` warns once with the reason and `chunk_kda` keeps
 the torch path.
 It covers fp32 and float64 with K3's bounded gates (each 16-token sub-chunk decays by at most e^80, §3.6);
@@ -14,7 +14,6 @@ anything else runs the torch path.
 import functools
 import os
 import shutil
-import sys
 import sysconfig
 import warnings
 
@@ -29,7 +28,7 @@ _VECTOR_FLAGS = {  # by the capability PyTorch itself detected on this CPU (its 
 
 
 @functools.cache
-def _build():
+def build():
     """(the compiled module, None) or (None, why it is unavailable)."""
     capability = torch.backends.cpu.get_cpu_capability()
     flags = ["-O3", "-fopenmp", *_VECTOR_FLAGS.get(capability, [])]
@@ -47,7 +46,7 @@ def _build():
 
 def available() -> bool:
     """Whether the compiled kernel is usable here (built on the first call, which warns once if it cannot be)."""
-    module, why = _build()
+    module, why = build()
     if module is None:
         warnings.warn(f"the compiled KDA kernel is unavailable ({why}); chunk_kda uses the torch ops", stacklevel=2)
     return module is not None
@@ -63,7 +62,7 @@ class CpuChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHUCK, k_BHUCK, v_BHUCV, g_BHUCK, beta_BHUC1, S_BHKV, keep_BU, sub_chunk):
         eg_BHUCK = g_BHUCK.exp()
-        o_BHUCV, S_BHKV, S_in_BHUKV = _build()[0].forward(q_BHUCK, k_BHUCK, v_BHUCV, eg_BHUCK, beta_BHUC1,
+        o_BHUCV, S_BHKV, S_in_BHUKV = build()[0].forward(q_BHUCK, k_BHUCK, v_BHUCV, eg_BHUCK, beta_BHUC1,
                                                           S_BHKV.contiguous(), keep_BU, sub_chunk)
         ctx.save_for_backward(q_BHUCK, k_BHUCK, v_BHUCV, eg_BHUCK, beta_BHUC1, S_in_BHUKV)
         ctx.keep_BU, ctx.sub_chunk = keep_BU, sub_chunk
@@ -77,19 +76,7 @@ class CpuChunkKDAFunction(torch.autograd.Function):
         do_BHUCV = torch.zeros_like(v_BHUCV) if do_BHUCV is None else do_BHUCV.contiguous()
         dS_end_BHKV = (torch.zeros_like(S_in_BHUKV[:, :, 0]) if dS_end_BHKV is None
                        else dS_end_BHKV.contiguous())
-        dq, dk, dv, dg, dbeta, dS = _build()[0].backward(q_BHUCK, k_BHUCK, v_BHUCV, eg_BHUCK, beta_BHUC1, S_in_BHUKV,
+        dq, dk, dv, dg, dbeta, dS = build()[0].backward(q_BHUCK, k_BHUCK, v_BHUCV, eg_BHUCK, beta_BHUC1, S_in_BHUKV,
                                                          ctx.keep_BU, do_BHUCV, dS_end_BHKV, ctx.sub_chunk)
         return dq, dk, dv, dg, dbeta, dS, None, None
 
-
-def main() -> int:
-    """Build the kernel now (`python -m k3.ops.kda.cpu`); exit status 0 either way, the torch path being the
-    fallback, with one line saying which path `chunk_kda` will take."""
-    module, why = _build()
-    print("k3: compiled KDA kernel ready" if module is not None
-          else f"k3: compiled KDA kernel unavailable, chunk_kda uses the torch ops ({why})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -37,6 +37,7 @@ B, H, K, V = 1, 4, 128, 128
 OPS = {"recurrent": recurrent_kda, "chunk": functools.partial(chunk_kda, backend="torch"),
        "compiled": functools.partial(chunk_kda, backend="compiled")}
 BUDGET_S = 5.0  # repeat a measurement while it fits in this many seconds (always at least once)
+WARMUP_CALLS = 3
 C = 64  # kda_chunk_size, the default of chunk_kda
 
 
@@ -57,7 +58,8 @@ def make_inputs(T, requires_grad):
 
 
 def measure(op_name, T, backward):
-    """Median seconds per call (one warm-up call first) and the process's peak RSS in MiB."""
+    """Median seconds per call and the process's peak RSS in MiB. Warm-up: 3 calls (1 when a call takes over a
+    second): the first calls of a fresh process run up to 2× slower while its heap grows."""
     op, inputs = OPS[op_name], make_inputs(T, requires_grad=backward)
     do_BTHV = torch.randn(B, T, H, V)
 
@@ -68,9 +70,12 @@ def measure(op_name, T, backward):
             with torch.no_grad():
                 op(*inputs)
 
-    start = time.perf_counter()
-    call()
-    warmup_s = time.perf_counter() - start
+    for _ in range(WARMUP_CALLS):
+        start = time.perf_counter()
+        call()
+        warmup_s = time.perf_counter() - start
+        if warmup_s > 1.0:
+            break
     times = []
     for _ in range(max(1, min(10, int(BUDGET_S / warmup_s)))):
         start = time.perf_counter()

@@ -1,6 +1,6 @@
 # Set-up and the two project commands. Both create/reuse the venv in $(VENV); the CPU torch wheel is installed
-# first so that pip never pulls a multi-GB CUDA build (override TORCH_SPEC on a GPU machine); the CPU KDA kernel is
-# compiled once at the end (k3/ops/kda/cpu.py; where it cannot be, the torch ops serve).
+# first so that pip never pulls a multi-GB CUDA build (override TORCH_SPEC on a GPU machine); the
+# CPU kernels are compiled once at the end (k3/ops/compiled.py; where they cannot be, the torch ops serve).
 VENV ?= .venv
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[train,vision,test]"
-	$(PY) -m k3.ops.kda.build
+	$(PY) -m k3.ops.build
 	touch $@
 
 DEMO_MINUTES ?= 6

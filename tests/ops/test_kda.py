@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import k3.ops.kda.chunk as chunk_module
+from k3.ops import compiled
 from k3.ops.kda import chunk_kda, cpu, recurrent_kda
 from kda_inputs import chunk_backend
 
@@ -284,9 +285,9 @@ def test_auto_backend_takes_the_kernel_only_where_it_applies(monkeypatch):
     assert calls == [chunk_module.ChunkKDAFunction] * 2 and torch.equal(o_auto, o_torch)
     with pytest.raises(ValueError, match="backend 'compiled' needs CPU tensors, gates above -5.33 per token"):
         chunk_kda(**softplus, backend="compiled")
-    monkeypatch.setattr(cpu, "build", lambda: (None, "RuntimeError: no compiler"))
+    monkeypatch.setattr(compiled, "build", lambda name: (None, "RuntimeError: no compiler"))
     calls.clear()
-    with pytest.warns(UserWarning, match=r"the compiled KDA kernel is unavailable \(RuntimeError: no compiler\)"):
+    with pytest.warns(UserWarning, match=r"the compiled kda kernel is unavailable \(RuntimeError: no compiler\)"):
         o_auto, _ = chunk_kda(**bounded)
     assert calls == [chunk_module.ChunkKDAFunction] and max_err(o_auto, reference(bounded)[0]) < 1e-12
     with pytest.raises(ValueError, match="could not be built here"), pytest.warns(UserWarning):

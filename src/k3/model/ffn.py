@@ -8,6 +8,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.ops.activation import situ_glu
+from k3.ops.matvec import Linear
 
 
 def glu_activation(config: K3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -23,9 +24,9 @@ class SiTUMLP(nn.Module):
     def __init__(self, config: K3Config, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.config = config
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size)
+        self.up_proj = Linear(hidden_size, intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(glu_activation(self.config, self.gate_proj(x), self.up_proj(x)))

@@ -23,6 +23,7 @@ from k3.model.observer import Observable
 from k3.model.pretrained import PretrainedMixin
 from k3.ops.loss import IGNORE_INDEX, check_labels, next_token_loss
 from k3.ops.norm import RMSNorm
+from k3.ops.matvec import Linear
 
 
 @dataclass
@@ -130,7 +131,7 @@ class K3ForCausalLM(PretrainedMixin, nn.Module):
         super().__init__()
         self.config = config
         self.model = K3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.init_weights()
 
     @torch.no_grad()

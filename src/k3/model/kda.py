@@ -18,6 +18,7 @@ from k3.ops.precision import KeepFP32, fp32
 from k3.ops.kda import chunk_kda, recurrent_kda
 from k3.ops.kda.gpu import fla_kda, use_fla
 from k3.ops.kda.varlen import chunk_kda_by_document, kda_by_document
+from k3.ops.matvec import Linear
 
 
 def kda_decay(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor,
@@ -76,24 +77,24 @@ class KimiDeltaAttention(KeepFP32):
         D, H, K, W = config.hidden_size, config.kda_num_heads, config.kda_head_dim, config.short_conv_kernel_size
         P = H * K
         self.num_heads, self.head_dim = H, K
-        self.q_proj = nn.Linear(D, P, bias=False)
-        self.k_proj = nn.Linear(D, P, bias=False)
-        self.v_proj = nn.Linear(D, P, bias=False)
+        self.q_proj = Linear(D, P)
+        self.k_proj = Linear(D, P)
+        self.v_proj = Linear(D, P)
         self.q_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
         self.k_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
         self.v_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
-        self.f_a_proj = nn.Linear(D, K, bias=False)  # low-rank decay input, rank = head_dim
-        self.f_b_proj = nn.Linear(K, P, bias=False)
+        self.f_a_proj = Linear(D, K)  # low-rank decay input, rank = head_dim
+        self.f_b_proj = Linear(K, P)
         self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.zeros(P, dtype=torch.float32))
-        self.b_proj = nn.Linear(D, H, bias=False)
+        self.b_proj = Linear(D, H)
         if config.use_full_rank_gate:
-            self.g_proj = nn.Linear(D, P, bias=False)
+            self.g_proj = Linear(D, P)
         else:  # Kimi-Linear's low-rank output gate
-            self.g_a_proj = nn.Linear(D, K, bias=False)
-            self.g_b_proj = nn.Linear(K, P, bias=False)
+            self.g_a_proj = Linear(D, K)
+            self.g_b_proj = Linear(K, P)
         self.o_norm = RMSNorm(K, eps=config.rms_norm_eps)
-        self.o_proj = nn.Linear(P, D, bias=False)
+        self.o_proj = Linear(P, D)
         self.pin_fp32()
 
     @torch.no_grad()

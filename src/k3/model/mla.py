@@ -14,6 +14,7 @@ from k3.model.cache import MLACache, StepContext
 from k3.ops.norm import RMSNorm
 from k3.ops.precision import fp32
 from k3.ops.rope import apply_rope, rope_angles
+from k3.ops.matvec import Linear
 
 MLA_LORA_NORM_EPS = 1e-6  # §0.5: class default of the reference RMSNorm; the config's eps is not passed
 
@@ -30,15 +31,15 @@ class GatedMLA(nn.Module):
         D, H = config.hidden_size, config.num_attention_heads
         N, R, Vh = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.num_heads = H
-        self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(D, config.q_lora_rank)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=MLA_LORA_NORM_EPS)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, H * (N + R), bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(D, config.kv_lora_rank + R, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, H * (N + R))
+        self.kv_a_proj_with_mqa = Linear(D, config.kv_lora_rank + R)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=MLA_LORA_NORM_EPS)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, H * (N + Vh), bias=False)
+        self.kv_b_proj = Linear(config.kv_lora_rank, H * (N + Vh))
         if config.mla_use_output_gate:
-            self.g_proj = nn.Linear(D, H * Vh, bias=False)
-        self.o_proj = nn.Linear(H * Vh, D, bias=False)
+            self.g_proj = Linear(D, H * Vh)
+        self.o_proj = Linear(H * Vh, D)
         self.scale = (N + R) ** -0.5  # 1/sqrt(qk_nope + qk_rope), in every form
 
     def project_query(self, x_BTD: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

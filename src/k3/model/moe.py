@@ -14,6 +14,7 @@ from k3.model.ffn import SiTUMLP, glu_activation
 from k3.ops.grouped_mm import grouped_mm
 from k3.ops.norm import RMSNorm
 from k3.ops.precision import KeepFP32, fp32
+from k3.ops.matvec import Linear
 
 
 class MoEGate(KeepFP32):
@@ -135,8 +136,8 @@ class StableLatentMoE(nn.Module):
         self.gate = MoEGate(config)
         self.experts = RoutedExperts(config)
         if config.use_latent_moe:  # else K2's full-width experts (L = D, §14.4)
-            self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
-            self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
+            self.routed_expert_down_proj = Linear(D, L)
+            self.routed_expert_up_proj = Linear(L, D)
         if config.latent_moe_use_norm:
             self.routed_expert_norm = RMSNorm(L, eps=config.rms_norm_eps)
         if config.num_shared_experts:

@@ -6,9 +6,10 @@ rows' order. The fast path is PyTorch's `torch._grouped_mm` (one kernel, no padd
 in use; its backward gives every expert's weight gradient, zeros for experts without rows). It
 exists where the installed PyTorch has it for the tensors' device and dtype (checked once per combination);
 elsewhere, for example float64 on CPU or an older PyTorch, `grouped_mm_reference` does one matmul per expert
-with rows. The reference also serves calls with fewer rows than experts (decoding): the kernel costs a few µs
-per expert on CPU even for experts without rows (k3-full decode: 896 experts for 16 rows, measured 4.4× slower
-than the loop over the 16).
+with rows. Calls with fewer rows than experts (decoding) skip the kernel, which costs a few µs per expert on CPU
+even for experts without rows (k3-full decode: 896 experts for 16 rows, measured 4.4× slower than the loop over
+the 16): they run `k3.ops.matvec.expert_linear` (one compiled pass over the chosen experts' weights) where it
+applies, else the reference.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from k3.ops.matvec import expert_linear
 
 
 def grouped_mm_reference(x_Am: torch.Tensor, w_Emn: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -46,7 +49,10 @@ def grouped_mm(x_Am: torch.Tensor, w_Emn: torch.Tensor, counts_E: torch.Tensor) 
     """Row block e of `x_Am` (`counts_E[e]` rows, in expert order) times `w_Emn[e]`; [A, n]."""
     w_Emn = w_Emn.to(x_Am.dtype)  # autocast does not cover the grouped kernel: the weights follow x (no-op in fp32)
     few_rows = x_Am.shape[0] < w_Emn.shape[0]  # e.g. decoding: the kernel's per-expert cost, empty or not, dominates
-    if few_rows or not _fast_path_works(x_Am.device, x_Am.dtype, *w_Emn.shape[1:]):
+    if few_rows:
+        y_An = expert_linear(x_Am, w_Emn.transpose(-1, -2), counts_E)  # w_Emn: a view of the stored [E, n, m]
+        return grouped_mm_reference(x_Am, w_Emn, counts_E) if y_An is None else y_An
+    if not _fast_path_works(x_Am.device, x_Am.dtype, *w_Emn.shape[1:]):
         return grouped_mm_reference(x_Am, w_Emn, counts_E)
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)  # end row of every expert
     return torch._grouped_mm(x_Am, w_Emn, offs=offs_E)

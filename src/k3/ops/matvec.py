@@ -1,0 +1,55 @@
+"""Products with a few rows, the shape of decoding: a compiled kernel (`matvec_kernel.cpp`) beside PyTorch's.
+
+A one-token step multiplies one row (or one per sequence) by every weight it uses once; its time is the weights'
+memory traffic. PyTorch's matrix–vector path streams fp32 weights at 5–11 GB/s on the 2-core machine of
+docs/benchmarks.md; the kernel reads each weight row once and takes its dot products with every row of x while it
+is in cache, with the output rows split over the threads (15–21 GB/s). It serves fp32 CPU calls without autograd
+and with at most `MAX_ROWS` rows; every other call, and every call where the kernel could not be built, runs
+`F.linear` / `grouped_mm`, which are also the references the tests compare against.
+"""
+# Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
+# Here: N rows, I input width, O output width, A rows each with its own expert, E experts.
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.ops import compiled
+
+MAX_ROWS = 4  # up to here the kernel beats a matrix product (measured: docs/benchmarks.md, Dec 2 late morning)
+
+
+def _applies(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
+    """A no-grad fp32 CPU call with few rows on plain tensors (a DTensor or a grad-tracking operand: PyTorch)."""
+    return (rows <= MAX_ROWS and not torch.is_grad_enabled() and x.dtype == w.dtype == torch.float32
+            and x.device.type == w.device.type == "cpu" and type(w) in (torch.Tensor, nn.Parameter)
+            and compiled.load("matvec") is not None)
+
+
+def linear(x_NI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
+    """x Wᵀ over the last axis of x (`F.linear` without bias)."""
+    rows = x_NI.numel() // max(x_NI.shape[-1], 1)
+    if not _applies(x_NI, weight_OI, rows) or not weight_OI.is_contiguous():
+        return F.linear(x_NI, weight_OI)
+    y = compiled.load("matvec").linear(x_NI.reshape(rows, -1).contiguous(), weight_OI)
+    return y.view(*x_NI.shape[:-1], weight_OI.shape[0])
+
+
+def expert_linear(x_AI: torch.Tensor, weight_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor | None:
+    """x[a] W[e]ᵀ for the rows a of expert e, rows sorted by expert, `counts_E[e]` of them (`grouped_mm`'s
+    contract); None where the kernel does not apply (the caller's matmul serves)."""
+    if not _applies(x_AI, weight_EOI, x_AI.shape[0]) or not weight_EOI.is_contiguous():
+        return None
+    return compiled.load("matvec").expert_linear(x_AI.contiguous(), weight_EOI, counts_E.long().contiguous())
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` without bias (same parameter, same checkpoint name) whose few-row no-grad calls run `linear`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        if bias:
+            raise ValueError("k3.ops.matvec.Linear has no bias (no K3 projection has one)")
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)

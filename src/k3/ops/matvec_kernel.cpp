@@ -1,0 +1,73 @@
+// Few-row products of decoding (k3/ops/matvec.py): y = x Wᵀ for x with a handful of rows, the regime where a
+// token's step reads every weight once and the time is the memory traffic. Each weight row is read once, its dot
+// products with all rows of x taken while it is in cache; output rows are split over the threads. fp32 only.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGrain = 16;  // output rows per task: a few KiB of weights
+
+inline float dot(const float *w, const float *x, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < n; ++j) acc += w[j] * x[j];
+  return acc;
+}
+
+void check(const torch::Tensor &x, const torch::Tensor &W) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && W.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                  W.is_contiguous() && x.device().is_cpu() && W.device().is_cpu(),
+              "matvec kernel: contiguous fp32 CPU tensors");
+  TORCH_CHECK(x.size(-1) == W.size(-1), "matvec kernel: x and W disagree on the input width");
+}
+
+// x [N, in], W [out, in] -> y [N, out], y[a, i] = Σ_j W[i, j] x[a, j]
+torch::Tensor linear(torch::Tensor x, torch::Tensor W) {
+  check(x, W);
+  const int64_t N = x.size(0), out = W.size(0), in = W.size(1);
+  auto y = torch::empty({N, out}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = W.data_ptr<float>();
+  float *yp = y.data_ptr<float>();
+  at::parallel_for(0, out, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t a = 0; a < N; ++a) yp[a * out + i] = dot(wp + i * in, xp + a * in, in);
+  });
+  return y;
+}
+
+// x [A, in] with its rows sorted by expert, counts[e] of them for expert e; W [E, out, in] -> y [A, out],
+// y[a, i] = Σ_j W[e(a), i, j] x[a, j] (grouped_mm's contract)
+torch::Tensor expert_linear(torch::Tensor x, torch::Tensor W, torch::Tensor counts) {
+  check(x, W);
+  const int64_t A = x.size(0), E = W.size(0), out = W.size(1), in = W.size(2);
+  TORCH_CHECK(counts.scalar_type() == torch::kLong && counts.is_contiguous() && counts.numel() == E,
+              "matvec kernel: one int64 row count per expert");
+  std::vector<int64_t> expert(A);
+  const int64_t *cp = counts.data_ptr<int64_t>();
+  for (int64_t e = 0, a = 0; e < E; ++e) {
+    TORCH_CHECK(cp[e] >= 0 && a + cp[e] <= A, "matvec kernel: the counts do not add up to the rows");
+    for (int64_t c = 0; c < cp[e]; ++c) expert[a++] = e;
+    TORCH_CHECK(e < E - 1 || a == A, "matvec kernel: the counts do not add up to the rows");
+  }
+  auto y = torch::empty({A, out}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = W.data_ptr<float>();
+  float *yp = y.data_ptr<float>();
+  at::parallel_for(0, A * out, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t a = r / out, i = r % out;
+      yp[r] = dot(wp + (expert[a] * out + i) * in, xp + a * in, in);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "x Wᵀ for a few rows of x (fp32)");
+  m.def("expert_linear", &expert_linear, "x[a] W[e(a)]ᵀ for rows sorted by expert (fp32)");
+}

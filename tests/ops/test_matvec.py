@@ -1,0 +1,82 @@
+"""`k3.ops.matvec`: the compiled few-row products of decoding against PyTorch's, and where each one serves."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3.ops import compiled, matvec
+from k3.ops import grouped_mm as gm
+
+pytestmark = pytest.mark.skipif(compiled.build("matvec")[0] is None,
+                                reason="the compiled matvec kernel could not be built here")
+
+
+def randn(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 200), (2, 1, 200), (1, 3, 200), (4, 200), (2, 2, 200), (200,)])
+def test_few_rows_without_grad_match_f_linear(shape):
+    """Every row layout up to `MAX_ROWS` rows (decoding: [B, 1, D] and a few tokens), widths not multiples of 8."""
+    x, w = randn(*shape), randn(300, 200, seed=1)
+    with torch.no_grad():
+        y = matvec.linear(x, w)
+    assert y.shape == (*shape[:-1], 300)
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_a_strided_input_is_read_correctly():
+    x, w = randn(200, 3).t(), randn(37, 200, seed=1)  # [3, 200], not contiguous
+    with torch.no_grad():
+        torch.testing.assert_close(matvec.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["grad", "many rows", "bfloat16", "float64", "unbuilt"])
+def test_other_calls_are_f_linear_exactly(monkeypatch, case):
+    """Autograd, more than `MAX_ROWS` rows, other dtypes, a kernel that could not be built: `F.linear` itself."""
+    rows = matvec.MAX_ROWS + 1 if case == "many rows" else 1
+    dtype = {"bfloat16": torch.bfloat16, "float64": torch.float64}.get(case, torch.float32)
+    x, w = randn(rows, 64, dtype=dtype), randn(48, 64, seed=1, dtype=dtype)
+    if case == "unbuilt":
+        monkeypatch.setattr(compiled, "build", lambda name: (None, "RuntimeError: no compiler"))
+    warns = pytest.warns(UserWarning, match="unavailable") if case == "unbuilt" else contextlib.nullcontext()
+    with torch.set_grad_enabled(case == "grad"), warns:
+        assert torch.equal(matvec.linear(x, w), F.linear(x, w))
+
+
+def test_linear_module_is_nn_linear_with_the_kernel():
+    """Same parameter and state-dict name as `nn.Linear`, trainable as usual, the kernel only without grad."""
+    layer = matvec.Linear(64, 48)
+    assert isinstance(layer, torch.nn.Linear) and layer.bias is None and list(layer.state_dict()) == ["weight"]
+    x = randn(1, 64)
+    y = layer(x)
+    y.sum().backward()
+    torch.testing.assert_close(layer.weight.grad, x.expand(48, 64))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), y.detach(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="has no bias"):
+        matvec.Linear(4, 4, bias=True)
+
+
+@pytest.mark.parametrize("counts", [[1, 0, 2, 0, 0, 1], [0, 0, 0, 4, 0, 0], [0, 0, 0, 0, 0, 0]])
+def test_grouped_mm_with_few_rows_takes_the_kernel(monkeypatch, counts):
+    """Fewer rows than experts (decoding): the chosen experts' rows through the compiled kernel, equal to the
+    per-expert reference; with autograd the reference itself."""
+    taken = []
+    kernel = matvec.expert_linear
+    monkeypatch.setattr(gm, "expert_linear", lambda *a: taken.append(1) or kernel(*a))
+    c = torch.tensor(counts)
+    x, w = randn(int(c.sum()), 200), randn(6, 300, 200, seed=1).transpose(-1, -2)  # a transposed view, as the model's
+    with torch.no_grad():
+        y = gm.grouped_mm(x, w, c)
+    assert taken == [1]
+    torch.testing.assert_close(y, gm.grouped_mm_reference(x, w, c), rtol=1e-5, atol=1e-5)
+    x.requires_grad_()
+    assert torch.equal(gm.grouped_mm(x, w, c), gm.grouped_mm_reference(x, w, c))
+
+
+def test_counts_that_do_not_add_up_are_refused():
+    with torch.no_grad(), pytest.raises(RuntimeError, match="the counts do not add up to the rows"):
+        matvec.expert_linear(randn(4, 20), randn(6, 30, 20), torch.tensor([1, 0, 2, 0, 0, 2]))

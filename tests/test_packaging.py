@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 WITHOUT_EXTRAS = """
 import importlib.abc, sys
 class Missing(importlib.abc.MetaPathFinder):
@@ -30,3 +32,30 @@ print("ok")
 def test_inference_without_the_optional_extras():
     result = subprocess.run([sys.executable, "-c", WITHOUT_EXTRAS], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_the_kernel_sources_ship_with_the_package():
+    """Every C++ kernel `k3.ops.compiled` builds exists and is package data (compiled on the user's machine)."""
+    from pathlib import Path
+
+    from k3.ops import compiled
+
+    tomllib = pytest.importorskip("tomllib")  # Python ≥ 3.11
+
+    root = Path(__file__).resolve().parents[1]
+    package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    ops = root / "src" / "k3" / "ops"
+    for source in compiled.KERNELS.values():
+        path = ops / source
+        package = ".".join(path.parent.relative_to(root / "src").parts)
+        assert path.is_file() and any(path.match(glob) for glob in package_data.get(package, [])), source
+
+
+def test_build_command_reports_every_kernel():
+    """`python -m k3.ops.build` (run by `make` while installing) names each kernel and exits 0 either way."""
+    from k3.ops import compiled
+
+    result = subprocess.run([sys.executable, "-m", "k3.ops.build"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for name in compiled.KERNELS:
+        assert f"k3: compiled {name} kernel " in result.stdout

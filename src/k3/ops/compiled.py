@@ -18,10 +18,13 @@ import torch
 KERNELS = {  # name: source file, relative to this package
     "kda": os.path.join("kda", "cpu_kernel.cpp"),  # the chunkwise KDA core (k3.ops.kda.cpu, §3.12)
     "matvec": "matvec_kernel.cpp",  # few-row products of decoding (k3.ops.matvec)
+    "activation": "activation_kernel.cpp",  # SiTU-GLU in one pass each way (k3.ops.activation)
 }
-_VECTOR_FLAGS = {  # by the capability PyTorch itself detected on this CPU
-    "AVX2": ["-mavx2", "-mfma"],
-    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma"],
+_VECTOR_FLAGS = {  # by the capability PyTorch itself detected on this CPU; the defines select ATen's matching
+    # `Vectorized` (its SLEEF tanh and exp, exported by PyTorch's library)
+    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma", "-DCPU_CAPABILITY=AVX512",
+               "-DCPU_CAPABILITY_AVX512"],
 }
 
 

@@ -1,8 +1,9 @@
 """The compiled CPU kernels (C++ beside the op that uses them), built with PyTorch's extension builder.
 
-`load(name)` compiles `<name>_kernel.cpp` from this package on first use (g++, and ninja from the `ninja` package;
-≈ 40 s per kernel) into PyTorch's per-user extension cache, per CPU capability (`-mavx2 -mfma` where PyTorch itself
-runs AVX2 kernels), and returns the module; later processes load it from the cache. Where it cannot be built (no
+`load(name)` compiles the kernel's source (`KERNELS`) on first use (g++, and ninja from the `ninja` package; ≈ 40 s
+per kernel) into PyTorch's per-user extension cache (`$TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions), in a
+directory per kernel, CPU capability (`-mavx2 -mfma` where PyTorch itself runs AVX2 kernels), Python and PyTorch
+version, and returns the module; later processes load it from there. Where it cannot be built (no
 compiler), `load` returns None and `available` warns once with the reason: every caller then keeps its torch ops.
 `python -m k3.ops.build` builds them all ahead of time (`make` does, while installing).
 """
@@ -10,7 +11,9 @@ compiler), `load` returns None and `available` warns once with the reason: every
 import functools
 import os
 import shutil
+import sys
 import sysconfig
+import time
 import warnings
 
 import torch
@@ -20,6 +23,7 @@ KERNELS = {  # name: source file, relative to this package
     "matvec": "matvec_kernel.cpp",  # few-row products of decoding (k3.ops.matvec)
     "activation": "activation_kernel.cpp",  # SiTU-GLU in one pass each way (k3.ops.activation)
 }
+STALE_LOCK_S = 600.0  # a build takes ≈ 40 s: a lock file this old was left by a killed build
 _VECTOR_FLAGS = {  # by the capability PyTorch itself detected on this CPU; the defines select ATen's matching
     # `Vectorized` (its SLEEF tanh and exp, exported by PyTorch's library)
     "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
@@ -40,10 +44,24 @@ def build(name: str):
         from torch.utils.cpp_extension import load as load_extension
 
         module = load_extension(name=f"k3_{name}_{capability.lower()}", sources=[source], extra_cflags=flags,
-                                extra_ldflags=["-fopenmp"], verbose=False)
+                                extra_ldflags=["-fopenmp"], build_directory=_build_directory(name, capability),
+                                verbose=False)
     except Exception as err:  # no compiler, no ninja, a failed build: the torch ops serve every call
         return None, f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
     return module, None
+
+
+def _build_directory(name: str, capability: str) -> str:
+    """The kernel's own build directory, cleared of a stale lock: PyTorch's builder waits on a lock file for as long
+    as it exists, and a build killed mid-way (Ctrl-C during `make`) leaves one behind."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    version = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}".replace("+", "_")
+    path = os.path.join(root, f"k3_{name}_{capability.lower()}_{version}")
+    os.makedirs(path, exist_ok=True)
+    lock = os.path.join(path, "lock")
+    if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
+        os.remove(lock)
+    return path
 
 
 def load(name: str):

@@ -42,7 +42,10 @@ void gemm(bool ta, bool tb, int m, int n, int k, double alpha, const double *A, 
   dgemm_(&tB, &tA, &n, &m, &k, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
 }
 
-template <typename T> T flushed(T x) { return x < std::numeric_limits<T>::epsilon() * std::numeric_limits<T>::epsilon() ? T(0) : x; }
+template <typename T> T flushed(T x) {  // 0 below ε², as `_exp_decay`
+  constexpr T eps = std::numeric_limits<T>::epsilon();
+  return x < eps * eps ? T(0) : x;
+}
 
 // out[i] = a[i] * b[i] over n numbers
 template <typename T> void mul(T *out, const T *a, const T *b, int64_t n) {
@@ -63,7 +66,8 @@ template <typename T> struct IntraChunk {
   Sizes s;
   std::vector<T> decay, to_end;  // e^{b_r}, e^{b_C − b_r} [C,K]
   std::vector<T> rows;           // e^{b_r − b_a}, a the first row of r's sub-chunk [C,K]
-  std::vector<T> cols, k_cols;   // per anchor sub-chunk a: e^{b_a − b_j} (j before the end of a's sub-chunk), k ⊙ it [u,C,K]
+  std::vector<T> cols, k_cols;   // per anchor sub-chunk a: e^{b_a − b_j} (j up to the end of a's sub-chunk);
+                                 // k ⊙ it [u,C,K]
   std::vector<T> x_rows;         // per sub-chunk: q ⊙ rows, then k ⊙ rows [u,2Z,K]
   std::vector<T> M, P, Tm;       // query–key scores (j ≤ r), key–key scores (j < r), (I + Diag(β) P)⁻¹ [C,C]
   std::vector<T> W, Uv;          // T·Diag(β)·(e^b ⊙ K) [C,K], T·Diag(β)·V [C,V]
@@ -75,7 +79,7 @@ template <typename T> struct IntraChunk {
         after(s.C * s.K), span(s.K), scratch(2 * s.Z * s.C + s.C * std::max(s.K, s.V)) {}
 
   void compute(const ChunkIn<T> &in) {
-    const int64_t C = s.C, K = s.K, V = s.V, Z = s.Z;
+    const int64_t C = s.C, K = s.K;
     // e^{b_r} = Π_{i≤r} e^{g_i}; e^{b_C − b_r} = Π_{i>r} e^{g_i}
     for (int64_t c = 0; c < K; ++c) decay[c] = flushed(in.eg[c]);
     for (int64_t r = 1; r < C; ++r)
@@ -169,8 +173,8 @@ struct Layout {  // element offsets of chunk n of item (b, h) in the [B,H,U,C,X]
 };
 
 template <typename T>
-void forward_item(int64_t bh, int64_t H, const Layout &L, const Sizes &s, const T *q, const T *k, const T *eg, const T *v,
-                  const T *beta, const T *keep, T *S, T *S_in, T *o) {
+void forward_item(int64_t bh, int64_t H, const Layout &L, const Sizes &s, const T *q, const T *k, const T *eg,
+                  const T *v, const T *beta, const T *keep, T *S, T *S_in, T *o) {
   const int64_t C = s.C, K = s.K, V = s.V;
   IntraChunk<T> ic(s);
   std::vector<T> ut(C * V), qd(C * K), kt(C * K);
@@ -207,7 +211,7 @@ template <typename T> struct ChunkBackward {
 
   // dS (in/out): on entry the gradient of the state leaving the chunk, on exit that of the state entering it.
   void run(const ChunkIn<T> &in, const T *S_in, const T *dO, T *dS, T *dq, T *dk, T *dv, T *dg, T *dbeta) {
-    const int64_t C = s.C, K = s.K, V = s.V, Z = s.Z;
+    const int64_t C = s.C, K = s.K, V = s.V;
     ic.compute(in);
     std::copy(ic.Uv.begin(), ic.Uv.end(), ut.begin());
     gemm(false, false, C, V, K, T(-1), ic.W.data(), K, S_in, V, T(1), ut.data(), V);  // Ũ = U − W S
@@ -236,7 +240,7 @@ template <typename T> struct ChunkBackward {
   }
 
   void intra_backward(const ChunkIn<T> &in, T *dq, T *dk, T *dv, T *dg, T *dbeta) {
-    const int64_t C = s.C, K = s.K, V = s.V, Z = s.Z;
+    const int64_t C = s.C, K = s.K, V = s.V;
     // `_wy_backward`: dX = Tᵀ d[W ‖ U], dA = −(dX_k Wᵀ + dX_v Uᵀ) for j < r
     gemm(true, false, C, K, C, T(1), ic.Tm.data(), C, dW.data(), K, T(0), dXk.data(), K);
     gemm(true, false, C, V, C, T(1), ic.Tm.data(), C, du.data(), V, T(0), dXv.data(), V);
@@ -300,9 +304,9 @@ template <typename T> struct ChunkBackward {
 };
 
 template <typename T>
-void backward_item(int64_t bh, int64_t H, const Layout &L, const Sizes &s, const T *q, const T *k, const T *eg, const T *v,
-                   const T *beta, const T *keep, const T *S_in, const T *dO, T *dS, T *dq, T *dk, T *dv, T *dg,
-                   T *dbeta) {
+void backward_item(int64_t bh, int64_t H, const Layout &L, const Sizes &s, const T *q, const T *k, const T *eg,
+                   const T *v, const T *beta, const T *keep, const T *S_in, const T *dO, T *dS, T *dq, T *dk,
+                   T *dv, T *dg, T *dbeta) {
   ChunkBackward<T> cb(s);
   for (int64_t n = L.U - 1; n >= 0; --n) {
     const ChunkIn<T> in{q + L.ck(bh, n), k + L.ck(bh, n), eg + L.ck(bh, n), v + L.cv(bh, n), beta + L.c1(bh, n)};

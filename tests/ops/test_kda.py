@@ -285,6 +285,9 @@ def test_auto_backend_takes_the_kernel_only_where_it_applies(monkeypatch):
     assert calls == [chunk_module.ChunkKDAFunction] * 2 and torch.equal(o_auto, o_torch)
     with pytest.raises(ValueError, match="backend 'compiled' needs CPU tensors, gates above -5.33 per token"):
         chunk_kda(**softplus, backend="compiled")
+    nan_gates = {**bounded, "g": bounded["g"].index_fill(1, torch.tensor([3]), float("nan"))}
+    with pytest.raises(ValueError, match="needs CPU tensors, gates without NaN"):
+        chunk_kda(**nan_gates, backend="compiled", chunk_size=1)  # sub-chunks of 1 token: any finite gate
     monkeypatch.setattr(compiled, "build", lambda name: (None, "RuntimeError: no compiler"))
     calls.clear()
     with pytest.warns(UserWarning, match=r"the compiled kda kernel is unavailable \(RuntimeError: no compiler\)"):

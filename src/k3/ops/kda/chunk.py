@@ -69,8 +69,8 @@ def _use_compiled(backend, g_BTHK, sub_chunk):
         return False
     applies = g_BTHK.device.type == "cpu" and bool(-(sub_chunk - 1) * g_BTHK.amin() <= MAX_EXPONENT)
     if backend == "compiled" and not (applies and cpu.available()):
-        raise ValueError("backend 'compiled' needs CPU tensors, gates above "
-                         f"-{MAX_EXPONENT / (sub_chunk - 1):.3g} per token and the built kernel"
+        gates = f"gates above -{MAX_EXPONENT / (sub_chunk - 1):.3g} per token" if sub_chunk > 1 else "gates without NaN"
+        raise ValueError(f"backend 'compiled' needs CPU tensors, {gates} and the built kernel"
                          + ("" if cpu.available() else " (it could not be built here: see the warning)"))
     return applies and cpu.available()
 

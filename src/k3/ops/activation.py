@@ -46,9 +46,8 @@ class SiTUGLUFunction(torch.autograd.Function):
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float | None) -> torch.Tensor:
     """SiTU-GLU(g, u) of §6.1 (see `situ_glu_reference`): compiled for fp32 CPU tensors, the reference otherwise."""
-    compiled_applies = (gate.dtype == up.dtype == torch.float32 and gate.device.type == up.device.type == "cpu"
-                        and gate.shape == up.shape and type(gate) is type(up) is torch.Tensor
-                        and compiled.load("activation") is not None)
-    if not compiled_applies or (beta2 is not None and beta2 <= 0):
+    compiled_applies = (gate.shape == up.shape and (beta2 is None or beta2 > 0)
+                        and compiled.serves("activation", gate, up))
+    if not compiled_applies:
         return situ_glu_reference(gate, up, beta1, beta2)
     return SiTUGLUFunction.apply(gate, up, beta1, beta2)

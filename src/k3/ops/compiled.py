@@ -64,6 +64,14 @@ def _build_directory(name: str, capability: str) -> str:
     return path
 
 
+def serves(name: str, *tensors: torch.Tensor) -> bool:
+    """Whether kernel `name` takes a call on `tensors`: contiguous-able fp32 CPU tensors of the plain types (a
+    DTensor or another subclass: the torch ops), and the kernel built (the first refusal warns, see `load`)."""
+    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == torch.float32 and t.device.type == "cpu"
+                for t in tensors)
+    return plain and load(name) is not None
+
+
 def load(name: str):
     """The compiled module `name`, or None where it could not be built (warned once, with the reason)."""
     module, why = build(name)

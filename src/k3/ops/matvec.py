@@ -20,16 +20,15 @@ MAX_ROWS = 4  # up to here the kernel beats a matrix product (measured: docs/ben
 
 
 def _applies(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
-    """A no-grad fp32 CPU call with few rows on plain tensors (a DTensor or a grad-tracking operand: PyTorch)."""
-    return (rows <= MAX_ROWS and not torch.is_grad_enabled() and x.dtype == w.dtype == torch.float32
-            and x.device.type == w.device.type == "cpu" and type(w) in (torch.Tensor, nn.Parameter)
-            and compiled.load("matvec") is not None)
+    """A no-grad call with few rows and a contiguous weight that the kernel serves (`compiled.serves`)."""
+    return (rows <= MAX_ROWS and not torch.is_grad_enabled() and w.is_contiguous()
+            and compiled.serves("matvec", x, w))
 
 
 def linear(x_NI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
     """x Wᵀ over the last axis of x (`F.linear` without bias)."""
     rows = x_NI.numel() // max(x_NI.shape[-1], 1)
-    if not _applies(x_NI, weight_OI, rows) or not weight_OI.is_contiguous():
+    if not _applies(x_NI, weight_OI, rows):
         return F.linear(x_NI, weight_OI)
     y = compiled.load("matvec").linear(x_NI.reshape(rows, -1).contiguous(), weight_OI)
     return y.view(*x_NI.shape[:-1], weight_OI.shape[0])
@@ -38,7 +37,7 @@ def linear(x_NI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
 def expert_linear(x_AI: torch.Tensor, weight_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor | None:
     """x[a] W[e]ᵀ for the rows a of expert e, rows sorted by expert, `counts_E[e]` of them (`grouped_mm`'s
     contract); None where the kernel does not apply (the caller's matmul serves)."""
-    if not _applies(x_AI, weight_EOI, x_AI.shape[0]) or not weight_EOI.is_contiguous():
+    if not _applies(x_AI, weight_EOI, x_AI.shape[0]):
         return None
     return compiled.load("matvec").expert_linear(x_AI.contiguous(), weight_EOI, counts_E.long().contiguous())
 

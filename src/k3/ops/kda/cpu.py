@@ -47,4 +47,3 @@ class CpuChunkKDAFunction(torch.autograd.Function):
             q_BHUCK, k_BHUCK, v_BHUCV, eg_BHUCK, beta_BHUC1, S_in_BHUKV, ctx.keep_BU, do_BHUCV, dS_end_BHKV,
             ctx.sub_chunk)
         return dq, dk, dv, dg, dbeta, dS, None, None
-

@@ -141,6 +141,9 @@ def test_which_kda_and_mla_paths_run(tiny_model, monkeypatch):
 
     monkeypatch.setattr(kda_module, "recurrent_kda", spy("recurrent", kda_module.recurrent_kda, 0))
     monkeypatch.setattr(kda_module, "chunk_kda", spy("chunk", kda_module.chunk_kda, 0))
+    fused = kda_module.KimiDeltaAttention.fused_step  # the recurrent step as one compiled call (fp32 CPU)
+    monkeypatch.setattr(kda_module.KimiDeltaAttention, "fused_step",
+                        lambda self, x_BTD, cache: (calls.append(("recurrent", 1)), fused(self, x_BTD, cache))[1])
     absorbed, expanded = GatedMLA.attend_absorbed, GatedMLA.attend_expanded
     monkeypatch.setattr(GatedMLA, "attend_absorbed", spy("absorbed", absorbed, 1))
     monkeypatch.setattr(GatedMLA, "attend_expanded", spy("expanded", expanded, 1))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3.ops import decode
 from k3.ops.norm import RMSNorm
 from k3.ops.precision import fp32
 
@@ -20,6 +21,9 @@ def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) ->
     values are the raw sources, no temperature; one softmax over all sources; fp32 throughout, result cast to
     the sources' dtype. Each source is [B, T, D]; the mix is per token.
     """
+    fused = decode.attn_res_mix(sources, norm.weight, proj.weight[0], norm.eps)  # one compiled call when decoding
+    if fused is not None:
+        return fused
     V_SBTD = [fp32(V_BTD) for V_BTD in sources]  # a list: the sources are never stacked into one copy
     mix_BTD = sum(p_BT[..., None] * V_BTD for p_BT, V_BTD in zip(_weights(V_SBTD, norm, proj), V_SBTD))
     return mix_BTD.to(sources[0].dtype)

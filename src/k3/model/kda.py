@@ -13,6 +13,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.cache import KDACache, StepContext
+from k3.ops import decode
 from k3.ops.norm import RMSNorm, l2_normalize, rms_normalize
 from k3.ops.precision import KeepFP32, fp32
 from k3.ops.kda import chunk_kda, recurrent_kda
@@ -127,6 +128,10 @@ class KimiDeltaAttention(KeepFP32):
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
         ctx = ctx or StepContext()
+        fla = use_fla(self.config.kda_impl, x_BTD.device)
+        if (T == 1 and cache is not None and ctx.valid_BT is None and not fla
+                and decode.serves(B, x_BTD, cache.conv_state_B3WP, cache.recurrent_state_BHKV)):
+            return self.o_proj(self.fused_step(x_BTD, cache))
         valid_BT1 = None if ctx.valid_BT is None else ctx.valid_BT[..., None]
         documents = ctx.document_ids_BT
         streams = []
@@ -151,7 +156,7 @@ class KimiDeltaAttention(KeepFP32):
             beta_BTH = beta_BTH.masked_fill(~valid_BT1, 0)
         state = None if cache is None else cache.recurrent_state_BHKV
         op = recurrent_kda if self.config.kda_impl == "recurrent" else chunk_kda
-        if use_fla(self.config.kda_impl, x_BTD.device):  # the GPU fast path (§3.11)
+        if fla:  # the GPU fast path (§3.11)
             o_BTHK, state = fla_kda(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, initial_state=state,
                                     output_final_state=cache is not None, document_ids=documents)
         elif documents is not None and op is recurrent_kda:  # packed rows: every document starts from zero
@@ -171,3 +176,14 @@ class KimiDeltaAttention(KeepFP32):
         # gated norm, entirely fp32: RMSNorm_{o_norm}(o) ⊙ σ(z)
         o_BTHK = rms_normalize(o_BTHK, self.o_norm.eps) * self.o_norm.weight * torch.sigmoid(fp32(z_BTHK))
         return self.o_proj(o_BTHK.to(x_BTD.dtype).reshape(B, T, H * K))
+
+    def fused_step(self, x_BTD: torch.Tensor, cache: KDACache) -> torch.Tensor:
+        """A one-token step (T = 1) with a cache as one compiled call after the projections
+        (`k3.ops.decode.kda_step`, the same steps as `forward`); returns the `o_proj` input [B, 1, H·K]."""
+        cache.recurrent_state_BHKV = cache.recurrent_state_BHKV.contiguous()  # updated in place
+        convs = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        o_BP = decode.kda_step(self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD), cache.conv_state_B3WP,
+                               convs, self.f_b_proj(self.f_a_proj(x_BTD)), self.A_log, self.dt_bias,
+                               self.config.gate_lower_bound, self.b_proj(x_BTD), cache.recurrent_state_BHKV,
+                               self.output_gate(x_BTD), self.o_norm.weight, self.o_norm.eps)
+        return o_BP[:, None]

@@ -22,7 +22,9 @@ KERNELS = {  # name: source file, relative to this package
     "kda": os.path.join("kda", "cpu_kernel.cpp"),  # the chunkwise KDA core (k3.ops.kda.cpu, §3.12)
     "matvec": "matvec_kernel.cpp",  # few-row products of decoding (k3.ops.matvec)
     "activation": "activation_kernel.cpp",  # SiTU-GLU in one pass each way (k3.ops.activation)
+    "decode": "decode_kernel.cpp",  # norms, AttnRes mix and the KDA step of one-token calls (k3.ops.decode)
 }
+MAX_ROWS = 4  # the few-row kernels serve calls of at most this many rows (decoding; docs/benchmarks.md, Dec 2)
 STALE_LOCK_S = 600.0  # a build takes ≈ 40 s: a lock file this old was left by a killed build
 _VECTOR_FLAGS = {  # by the capability PyTorch itself detected on this CPU; the defines select ATen's matching
     # `Vectorized` (its SLEEF tanh and exp, exported by PyTorch's library)
@@ -70,6 +72,11 @@ def serves(name: str, *tensors: torch.Tensor) -> bool:
     plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == torch.float32 and t.device.type == "cpu"
                 for t in tensors)
     return plain and load(name) is not None
+
+
+def serves_few_rows(name: str, rows: int, *tensors: torch.Tensor) -> bool:
+    """Whether a few-row kernel takes a call: at most `MAX_ROWS` rows, no autograd, and `serves`."""
+    return rows <= MAX_ROWS and not torch.is_grad_enabled() and serves(name, *tensors)
 
 
 def load(name: str):

@@ -16,13 +16,12 @@ from torch import nn
 
 from k3.ops import compiled
 
-MAX_ROWS = 4  # up to here the kernel beats a matrix product (measured: docs/benchmarks.md, Dec 2 late morning)
+MAX_ROWS = compiled.MAX_ROWS  # up to here the kernel beats a matrix product (docs/benchmarks.md, Dec 2 late morning)
 
 
 def _applies(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
-    """A no-grad call with few rows and a contiguous weight that the kernel serves (`compiled.serves`)."""
-    return (rows <= MAX_ROWS and not torch.is_grad_enabled() and w.is_contiguous()
-            and compiled.serves("matvec", x, w))
+    """A no-grad call with few rows and a contiguous weight that the kernel serves (`compiled.serves_few_rows`)."""
+    return w.is_contiguous() and compiled.serves_few_rows("matvec", rows, x, w)
 
 
 def linear(x_NI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:

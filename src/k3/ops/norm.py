@@ -9,17 +9,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3.ops import decode
 from k3.ops.precision import fp32
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean_c(x_c²) + ε) in fp32 (no gain)."""
+    """x / sqrt(mean_c(x_c²) + ε) in fp32 (no gain); one compiled call when decoding (`k3.ops.decode`)."""
+    fused = decode.rms_norm(x, None, eps)
+    if fused is not None:
+        return fused
     x = fp32(x)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(Σ_c x_c² + ε) in fp32 (§0.2; KDA q/k use ε = 1e-6)."""
+    """x / sqrt(Σ_c x_c² + ε) in fp32 (§0.2; KDA q/k use ε = 1e-6); one compiled call when decoding."""
+    fused = decode.rms_norm(x, None, eps, mean=False)
+    if fused is not None:
+        return fused
     x = fp32(x)
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
@@ -37,6 +44,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        fused = decode.rms_norm(x, self.weight, eps)  # one compiled call when decoding
+        if fused is not None:
+            return fused
         return (self.weight * rms_normalize(x, eps).to(x.dtype)).to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,54 @@
+"""Fused operations of a one-token step, compiled (`decode_kernel.cpp`, docs/architecture.md §0.6).
+
+A decode step of a small model spends most of its CPU time on the per-call cost of small operations, not on their
+arithmetic: an RMSNorm is five torch operations, an AttnRes mix about forty, the KDA step after its projections
+about a hundred. Each function here does one of them as one compiled call for the calls of decoding — fp32 CPU
+tensors, at most `compiled.MAX_ROWS` rows, no autograd — and returns None for every other call, where the
+caller's torch operations run; those are the references the tests compare against.
+"""
+# Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
+# Here: N rows, C channels, S sources.
+
+from __future__ import annotations
+
+import torch
+
+from k3.ops import compiled
+
+
+def rows(x: torch.Tensor) -> int:
+    """How many rows x has over its last axis."""
+    return x.numel() // max(x.shape[-1], 1)
+
+
+def serves(rows: int, *tensors: torch.Tensor) -> bool:
+    """Whether the decode kernel takes a call of `rows` rows on `tensors` (`compiled.serves_few_rows`)."""
+    return compiled.serves_few_rows("decode", rows, *tensors)
+
+
+def rms_norm(x_NC: torch.Tensor, weight_C: torch.Tensor | None, eps: float, mean: bool = True) -> torch.Tensor | None:
+    """weight ⊙ x / sqrt(mean(x²) + ε) over the last axis (`mean=False`: Σ x², the L2 norm; no weight: no gain)."""
+    if not serves(rows(x_NC), x_NC, *(() if weight_C is None else (weight_C,))):
+        return None
+    return compiled.load("decode").rms_norm(x_NC.contiguous(), weight_C, eps, mean)
+
+
+def attn_res_mix(sources: list[torch.Tensor], gain_D: torch.Tensor, query_D: torch.Tensor,
+                 eps: float) -> torch.Tensor | None:
+    """Σ_s softmax_s((V_s·(γ⊙w)) / sqrt(mean(V_s²) + ε)) V_s of same-shaped sources (k3.model.attn_res)."""
+    if len({tuple(V.shape) for V in sources}) != 1 or not serves(rows(sources[0]), *sources, gain_D, query_D):
+        return None
+    return compiled.load("decode").attn_res_mix([V.contiguous() for V in sources], gain_D, query_D, eps)
+
+
+def kda_step(q_NP: torch.Tensor, k_NP: torch.Tensor, v_NP: torch.Tensor, conv_state_N3WP: torch.Tensor,
+             conv_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], f_NP: torch.Tensor, A_log_H: torch.Tensor,
+             dt_bias_P: torch.Tensor, lower_bound: float | None, b_NH: torch.Tensor, state_NHKK: torch.Tensor,
+             z_NP: torch.Tensor, o_norm_weight_K: torch.Tensor, eps: float) -> torch.Tensor:
+    """One KDA decode step after the projections (k3.model.kda): short conv + SiLU of q, k, v (their windows
+    in `conv_state` shifted in place), L2 norms, decay, β = σ(b), the delta-rule update of `state` in place, and
+    the gated norm. Returns [N, P], the input of `o_proj`. The caller checks `serves` first (N rows, the caches)."""
+    return compiled.load("decode").kda_step(
+        q_NP.contiguous(), k_NP.contiguous(), v_NP.contiguous(), conv_state_N3WP, *conv_weights, f_NP.contiguous(),
+        A_log_H, dt_bias_P, lower_bound is not None, 0.0 if lower_bound is None else lower_bound, b_NH.contiguous(),
+        state_NHKK, z_NP.contiguous(), o_norm_weight_K, eps)

@@ -1,0 +1,100 @@
+"""`k3.ops.decode`: the fused one-token operations against their formulas, and the calls they leave to torch."""
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from k3.model.attn_res import attn_res_mix
+from k3.ops import compiled, decode
+from k3.ops.norm import RMSNorm, l2_normalize, rms_normalize
+
+pytestmark = pytest.mark.skipif(compiled.build("decode")[0] is None,
+                                reason="the compiled decode kernel could not be built here")
+
+
+def randn(*shape, seed=0, scale=1.0, dtype=torch.float32):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (scale * x).to(dtype)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 200), (2, 1, 37), (4, 64), (3,)])
+@pytest.mark.parametrize("mean", [True, False])
+@pytest.mark.parametrize("gain", [True, False])
+def test_norms_match_the_float64_formula(shape, mean, gain):
+    """RMS (mean of squares) and L2 (sum of squares) normalisation with and without a gain, up to `MAX_ROWS`
+    rows, odd widths, inputs far from unit scale (ε matters at 1e-3)."""
+    x, w = randn(*shape, scale=1e-3), randn(shape[-1], seed=1) if gain else None
+    with torch.no_grad():
+        y = decode.rms_norm(x, w, 1e-6, mean=mean)
+    x64 = x.double()
+    ss = x64.pow(2).mean(-1, keepdim=True) if mean else x64.pow(2).sum(-1, keepdim=True)
+    expected = x64 / torch.sqrt(ss + 1e-6) * (1 if w is None else w.double())
+    assert y.shape == x.shape and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), expected, rtol=2e-6, atol=1e-7)
+
+
+def test_norm_module_and_functions_take_the_kernel_when_decoding(monkeypatch):
+    """`RMSNorm`, `rms_normalize` and `l2_normalize` on one row without grad: the kernel, within fp32 rounding of
+    the torch ops (which serve with grad)."""
+    calls = []
+    kernel = compiled.load("decode")
+    spy = SimpleNamespace(rms_norm=lambda *args: (calls.append(args[1] is not None), kernel.rms_norm(*args))[1])
+    monkeypatch.setattr(decode.compiled, "load", lambda name: spy if name == "decode" else kernel)
+    norm = RMSNorm(96, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(randn(96, seed=2))
+    x = randn(1, 1, 96, seed=3)
+    with torch.no_grad():
+        fused = [f(x) for f in (norm, lambda x: rms_normalize(x, 1e-5), l2_normalize)]
+    assert calls == [True, False, False]  # with the gain once, then without
+    reference = [f(x).detach() for f in (norm, lambda x: rms_normalize(x, 1e-5), l2_normalize)]  # grad on
+    assert len(calls) == 3
+    for a, b in zip(fused, reference):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def mix_inputs(n_sources: int, shape=(2, 1, 80)):
+    """Sources of very different scales (the embedding is small, block sums large), a random gain and query."""
+    sources = [randn(*shape, seed=10 + i, scale=0.05 * 10 ** (i % 3)) + 0.1 * i for i in range(n_sources)]
+    norm, proj = RMSNorm(shape[-1], eps=1e-5), nn.Linear(shape[-1], 1, bias=False)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * randn(shape[-1], seed=4))
+        proj.weight.copy_(0.5 * randn(1, shape[-1], seed=5))
+    return sources, norm, proj
+
+
+@pytest.mark.parametrize("n_sources", [1, 2, 5])
+def test_attn_res_mix_matches_the_torch_ops(monkeypatch, n_sources):
+    """The fused mix equals `attn_res_mix`'s torch ops (the kernel unbuilt) and its float64 value."""
+    sources, norm, proj = mix_inputs(n_sources)
+    with torch.no_grad():
+        fused = decode.attn_res_mix(sources, norm.weight, proj.weight[0], norm.eps)
+        assert fused is not None and torch.equal(attn_res_mix(sources, norm, proj), fused)
+        monkeypatch.setattr(compiled, "build", lambda name: (None, "off"))
+        with pytest.warns(UserWarning, match="unavailable"):
+            torch_ops = attn_res_mix(sources, norm, proj)
+        reference = attn_res_mix([s.double() for s in sources], norm.double(), proj.double())
+    torch.testing.assert_close(fused, torch_ops, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused.double(), reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["grad", "many rows", "float64", "bfloat16", "unbuilt", "shapes differ"])
+def test_other_calls_are_left_to_the_torch_ops(monkeypatch, case):
+    """Autograd, more than `MAX_ROWS` rows, other dtypes, sources of different shapes, an unbuilt kernel: None,
+    and the callers' torch ops serve."""
+    dtype = {"float64": torch.float64, "bfloat16": torch.bfloat16}.get(case, torch.float32)
+    shape = (compiled.MAX_ROWS + 1, 1, 16) if case == "many rows" else (1, 1, 16)
+    sources, norm, proj = mix_inputs(2, shape)
+    sources = [s.to(dtype) for s in sources]
+    if case == "shapes differ":
+        sources[1] = sources[1][:, :, :8]
+    if case == "unbuilt":
+        monkeypatch.setattr(compiled, "build", lambda name: (None, "RuntimeError: no compiler"))
+    warns = pytest.warns(UserWarning, match="unavailable") if case == "unbuilt" else contextlib.nullcontext()
+    with torch.set_grad_enabled(case == "grad"), warns:
+        if case != "shapes differ":
+            assert decode.rms_norm(sources[0], None, 1e-5) is None
+        assert decode.attn_res_mix(sources, norm.weight, proj.weight[0], 1e-5) is None

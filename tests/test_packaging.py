@@ -3,6 +3,7 @@ optional, and `python -m k3` is the console script."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -35,7 +36,8 @@ def test_inference_without_the_optional_extras():
 
 
 def test_the_kernel_sources_ship_with_the_package():
-    """Every C++ kernel `k3.ops.compiled` builds exists and is package data (compiled on the user's machine)."""
+    """Every C++ kernel `k3.ops.compiled` builds, and every header they include, exists and is package data
+    (compiled on the user's machine)."""
     from pathlib import Path
 
     from k3.ops import compiled
@@ -45,7 +47,10 @@ def test_the_kernel_sources_ship_with_the_package():
     root = Path(__file__).resolve().parents[1]
     package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     ops = root / "src" / "k3" / "ops"
-    for source in compiled.KERNELS.values():
+    headers = {include for source in compiled.KERNELS.values()
+               for include in re.findall(r'#include "(.+)"', (ops / source).read_text())}
+    assert headers == {"kernel_math.h"}
+    for source in [*compiled.KERNELS.values(), *headers]:
         path = ops / source
         package = ".".join(path.parent.relative_to(root / "src").parts)
         assert path.is_file() and any(path.match(glob) for glob in package_data.get(package, [])), source

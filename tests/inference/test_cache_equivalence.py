@@ -145,6 +145,9 @@ def test_which_kda_and_mla_paths_run(tiny_model, monkeypatch):
     monkeypatch.setattr(kda_module.KimiDeltaAttention, "fused_step",
                         lambda self, x_BTD, cache: (calls.append(("recurrent", 1)), fused(self, x_BTD, cache))[1])
     absorbed, expanded = GatedMLA.attend_absorbed, GatedMLA.attend_expanded
+    fused_mla = GatedMLA.fused_step  # the absorbed one-token step as one compiled call (fp32 CPU)
+    monkeypatch.setattr(GatedMLA, "fused_step", lambda self, x_BTD, cache, start: (
+        calls.append(("absorbed", 1)), fused_mla(self, x_BTD, cache, start))[1])
     monkeypatch.setattr(GatedMLA, "attend_absorbed", spy("absorbed", absorbed, 1))
     monkeypatch.setattr(GatedMLA, "attend_expanded", spy("expanded", expanded, 1))
     model = tiny_model(seed=6)

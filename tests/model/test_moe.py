@@ -240,3 +240,38 @@ def test_gradients_reach_experts_router_and_latent_projections(tiny_config):
               moe.routed_expert_norm.weight, moe.shared_experts.down_proj.weight):
         assert p.grad.abs().max() > 0
     assert moe.gate.e_score_correction_bias.grad is None
+
+
+@pytest.mark.parametrize("form", ["k3", "silu", "uncapped", "no renormalisation"])
+def test_fused_decode_routing_matches_the_torch_ops(tiny_config, monkeypatch, form):
+    """A few no-grad fp32 tokens run the router and routed experts as one compiled call (`k3.ops.decode.moe_routed`)
+    and equal the gate-then-experts torch ops and the float64 reference: SiTU-GLU (capped and uncapped up
+    branch), SwiGLU, with and without renormalisation; a forward hook on the gate keeps the modules running."""
+    from k3.ops import compiled, decode
+
+    if compiled.build("decode")[0] is None:
+        pytest.skip("the compiled decode kernel could not be built here")
+    overrides = {"silu": {"hidden_act": "silu"}, "uncapped": {"activation_situ_linear_beta": None},
+                 "no renormalisation": {"moe_renormalize": False}}.get(form, {})
+    moe = make_moe(tiny_config(**overrides), seed=3, bias_std=0.3)
+    x = tokens(3, 4)[:, None]  # [B = 3, T = 1, D]
+    calls = []
+    fused_op = decode.moe_routed
+    monkeypatch.setattr(decode, "moe_routed", lambda *args: (calls.append(1), fused_op(*args))[1])
+    with torch.no_grad():
+        fused = moe(x)
+        assert len(calls) == 1
+        build = compiled.build
+        monkeypatch.setattr(compiled, "build", lambda name: (None, "off") if name == "decode" else build(name))
+        with pytest.warns(UserWarning, match="unavailable"):
+            torch_ops = moe(x)
+    torch.testing.assert_close(fused, torch_ops, rtol=1e-5, atol=1e-6)
+    if form == "k3":
+        torch.testing.assert_close(fused[:, 0].double(), moe_reference(moe, x[:, 0])[2], rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(compiled, "build", build)
+    seen = []
+    moe.gate.register_forward_hook(lambda *args: seen.append(1))
+    calls.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), fused, rtol=1e-5, atol=1e-6)
+    assert seen == [1] and calls == []  # the hooked gate ran as a module

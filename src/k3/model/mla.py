@@ -11,6 +11,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.cache import MLACache, StepContext
+from k3.ops import decode
 from k3.ops.norm import RMSNorm
 from k3.ops.precision import fp32
 from k3.ops.rope import apply_rope, rope_angles
@@ -84,6 +85,9 @@ class GatedMLA(nn.Module):
         for observer in ctx.observers:  # QK-Clip's max logits (§8.6)
             observer.on_attention(self, x_BTD.detach(), ctx.document_ids_BT)
         T = x_BTD.shape[1]
+        if (cache is not None and T == 1 and ctx.key_valid_BS is None and self.config.mla_decode == "absorbed"
+                and decode.serves(x_BTD.shape[0], x_BTD, cache.latent_BSL)):
+            return self.fused_step(x_BTD, cache, ctx.start)
         latent_BSL = self.compress_kv(x_BTD, ctx.start)
         if cache is not None:
             cache.latent_BSL[:, ctx.start: ctx.start + T] = latent_BSL
@@ -95,6 +99,17 @@ class GatedMLA(nn.Module):
         else:
             o_BTHV = self.attend_expanded(q_nope_BTHK, q_pe_BTHR, latent_BSL, mask_B1TS)
         return self.gate_and_project(x_BTD, o_BTHV)
+
+    def fused_step(self, x_BTD: torch.Tensor, cache: MLACache, start: int) -> torch.Tensor:
+        """A one-token step (T = 1, no padding) with a cache: the latent written at `start`, then the absorbed
+        attention and the output gate as one compiled call (`k3.ops.decode.mla_step`), then `o_proj`."""
+        cfg = self.config
+        cache.latent_BSL[:, start: start + 1] = self.compress_kv(x_BTD, start)
+        q_BTHQ = torch.cat(self.project_query(x_BTD, start), dim=-1)
+        gate_BTP = self.g_proj(x_BTD) if cfg.mla_use_output_gate else None
+        o_BP = decode.mla_step(q_BTHQ, cache.latent_BSL, start + 1, self.kv_b_proj.weight, cfg.qk_nope_head_dim,
+                               cfg.v_head_dim, gate_BTP, self.scale)
+        return self.o_proj(o_BP[:, None])
 
     @property
     def absorbed_max_tokens(self) -> int:

@@ -11,6 +11,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.cache import StepContext
 from k3.model.ffn import SiTUMLP, glu_activation
+from k3.ops import decode
 from k3.ops.grouped_mm import grouped_mm
 from k3.ops.norm import RMSNorm
 from k3.ops.precision import KeepFP32, fp32
@@ -147,12 +148,29 @@ class StableLatentMoE(nn.Module):
     def forward(self, x_BTD: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
         """x is the `post_attention_layernorm` output [B, T, D]; `ctx` carries the call's training observers."""
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        idx_Nk, w_Nk = self.gate(x_ND, ctx)
         latent = self.config.use_latent_moe
-        r_NL = self.experts(self.routed_expert_down_proj(x_ND) if latent else x_ND, idx_Nk, w_Nk)
+        z_NL = self.routed_expert_down_proj(x_ND) if latent else x_ND
+        r_NL = self.fused_routed(x_ND, z_NL, ctx)
+        if r_NL is None:
+            idx_Nk, w_Nk = self.gate(x_ND, ctx)
+            r_NL = self.experts(z_NL, idx_Nk, w_Nk)
         if self.config.latent_moe_use_norm:
             r_NL = self.routed_expert_norm(r_NL)
         y_ND = self.routed_expert_up_proj(r_NL) if latent else r_NL
         if self.config.num_shared_experts:
             y_ND = y_ND + self.shared_experts(x_ND)
         return y_ND.view_as(x_BTD)
+
+    def fused_routed(self, x_ND: torch.Tensor, z_NL: torch.Tensor, ctx: StepContext | None) -> torch.Tensor | None:
+        """`gate` then `experts` as one compiled call when decoding (`k3.ops.decode.moe_routed`: fp32 CPU, a few
+        tokens, no autograd), else None. Not for observed (training) calls, the loop reference, group limits, or
+        where a forward hook waits for the `gate` or `experts` module to run."""
+        cfg = self.config
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (self.gate, self.experts))
+        if (hooked or (ctx is not None and ctx.observers) or cfg.moe_impl == "loop"
+                or (cfg.num_expert_group > 1 and cfg.topk_group < cfg.num_expert_group)):
+            return None
+        betas = None if cfg.hidden_act == "silu" else (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        return decode.moe_routed(x_ND, z_NL, self.gate.weight, self.gate.e_score_correction_bias, self.experts.w1,
+                                 self.experts.w3, self.experts.w2, cfg.num_experts_per_token, cfg.moe_renormalize,
+                                 cfg.routed_scaling_factor, betas)

@@ -50,4 +50,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float | 
                         and compiled.serves("activation", gate, up))
     if not compiled_applies:
         return situ_glu_reference(gate, up, beta1, beta2)
+    if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):  # inference: no autograd node
+        return compiled.load("activation").forward(gate.contiguous(), up.contiguous(), beta1,
+                                                   0.0 if beta2 is None else beta2)
     return SiTUGLUFunction.apply(gate, up, beta1, beta2)

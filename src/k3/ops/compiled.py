@@ -24,6 +24,7 @@ KERNELS = {  # name: source file, relative to this package
     "activation": "activation_kernel.cpp",  # SiTU-GLU in one pass each way (k3.ops.activation)
     "decode": "decode_kernel.cpp",  # norms, AttnRes mix and the KDA step of one-token calls (k3.ops.decode)
 }
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 MAX_ROWS = 4  # the few-row kernels serve calls of at most this many rows (decoding; docs/benchmarks.md, Dec 2)
 STALE_LOCK_S = 600.0  # a build takes ≈ 40 s: a lock file this old was left by a killed build
 _VECTOR_FLAGS = {  # by the capability PyTorch itself detected on this CPU; the defines select ATen's matching
@@ -41,13 +42,14 @@ def build(name: str):
     flags = ["-O3", "-fopenmp", *_VECTOR_FLAGS.get(capability, [])]
     if shutil.which("ninja") is None:  # the builder runs `ninja` from PATH; the `ninja` package puts it beside python
         os.environ["PATH"] = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
-    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), KERNELS[name])
+    here = os.path.dirname(os.path.abspath(__file__))
+    source = os.path.join(here, KERNELS[name])
     try:
         from torch.utils.cpp_extension import load as load_extension
 
         module = load_extension(name=f"k3_{name}_{capability.lower()}", sources=[source], extra_cflags=flags,
-                                extra_ldflags=["-fopenmp"], build_directory=_build_directory(name, capability),
-                                verbose=False)
+                                extra_include_paths=[here], extra_ldflags=["-fopenmp"],
+                                build_directory=_build_directory(name, capability), verbose=False)
     except Exception as err:  # no compiler, no ninja, a failed build: the torch ops serve every call
         return None, f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
     return module, None
@@ -69,14 +71,15 @@ def _build_directory(name: str, capability: str) -> str:
 def serves(name: str, *tensors: torch.Tensor) -> bool:
     """Whether kernel `name` takes a call on `tensors`: contiguous-able fp32 CPU tensors of the plain types (a
     DTensor or another subclass: the torch ops), and the kernel built (the first refusal warns, see `load`)."""
-    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == torch.float32 and t.device.type == "cpu"
-                for t in tensors)
-    return plain and load(name) is not None
+    for t in tensors:  # a loop of cheap attribute reads: this runs before every decode-sized call
+        if type(t) not in _PLAIN_TYPES or t.dtype is not torch.float32 or not t.is_cpu:
+            return False
+    return load(name) is not None
 
 
 def serves_few_rows(name: str, rows: int, *tensors: torch.Tensor) -> bool:
     """Whether a few-row kernel takes a call: at most `MAX_ROWS` rows, no autograd, and `serves`."""
-    return rows <= MAX_ROWS and not torch.is_grad_enabled() and serves(name, *tensors)
+    return not torch.is_grad_enabled() and rows <= MAX_ROWS and serves(name, *tensors)
 
 
 def load(name: str):

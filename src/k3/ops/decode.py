@@ -52,3 +52,26 @@ def kda_step(q_NP: torch.Tensor, k_NP: torch.Tensor, v_NP: torch.Tensor, conv_st
         q_NP.contiguous(), k_NP.contiguous(), v_NP.contiguous(), conv_state_N3WP, *conv_weights, f_NP.contiguous(),
         A_log_H, dt_bias_P, lower_bound is not None, 0.0 if lower_bound is None else lower_bound, b_NH.contiguous(),
         state_NHKK, z_NP.contiguous(), o_norm_weight_K, eps)
+
+
+def moe_routed(x_ND: torch.Tensor, z_NL: torch.Tensor, gate_weight_ED: torch.Tensor, bias_E: torch.Tensor,
+               w1_EML: torch.Tensor, w3_EML: torch.Tensor, w2_ELM: torch.Tensor, k: int, renormalize: bool,
+               scaling: float, betas: tuple[float, float | None] | None) -> torch.Tensor | None:
+    """Router and routed experts of a MoE layer (k3.model.moe): top-k of σ(x Wᵀ) + bias, weights from the unbiased
+    scores (renormalised, scaled), r = Σ_e w_e · W2_e act(W1_e z, W3_e z) in fp32 [N, L]. `betas` = (β₁, β₂) for
+    SiTU-GLU (β₂ None: uncapped), None for SwiGLU."""
+    if not serves(rows(x_ND), x_ND, z_NL, gate_weight_ED, bias_E, w1_EML, w3_EML, w2_ELM):
+        return None
+    beta1, beta2 = betas or (0.0, 0.0)
+    return compiled.load("decode").moe_routed(x_ND.contiguous(), z_NL.contiguous(), gate_weight_ED, bias_E, w1_EML,
+                                              w3_EML, w2_ELM, k, renormalize, scaling, betas is not None, beta1,
+                                              0.0 if beta2 is None else beta2)
+
+
+def mla_step(q_BHQ: torch.Tensor, latent_BSL: torch.Tensor, length: int, kv_b_weight: torch.Tensor,
+             nope_dim: int, v_dim: int, gate_BP: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One absorbed-MLA step (k3.model.mla, §4.4) of q = [q_nope ‖ q_pe] over the first `length` positions of the
+    latent cache [B, capacity, C+R]: softmax([W_UKᵀ q_nope ‖ q_pe]·latent·scale), o = W_UV Σ p ĉ, times σ(gate)
+    when given; [B, H·Vh]. The caller checks `serves` first."""
+    return compiled.load("decode").mla_step(q_BHQ.contiguous(), latent_BSL, length, kv_b_weight, nope_dim, v_dim,
+                                            None if gate_BP is None else gate_BP.contiguous(), scale)

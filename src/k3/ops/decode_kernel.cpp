@@ -5,6 +5,9 @@
 
 #include <ATen/Parallel.h>
 
+#include "kernel_math.h"
+
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -15,14 +18,8 @@ void check(const torch::Tensor &t, const char *what) {
               " must be a contiguous fp32 CPU tensor");
 }
 
-inline float dot(const float *a, const float *b, int64_t n) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t j = 0; j < n; ++j) acc += a[j] * b[j];
-  return acc;
-}
-
-inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+using k3::dot;
+using k3::sigmoid;
 
 // 1 / sqrt(Σ x² / n + ε): n = the width for RMS statistics, 1 for the L2 norm
 inline float inverse_norm(const float *x, int64_t width, float n, double eps) {
@@ -171,10 +168,150 @@ torch::Tensor kda_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
   return out;
 }
 
+
+// The routed half of a MoE layer for a few tokens (k3.model.moe, §6.3, §6.4): the sigmoid router on x [N, D]
+// (scores σ(x Wᵀ), top-k of scores + bias, weights from the unbiased scores, renormalised, scaled), then
+// r = Σ_e w_e · W2_e act(W1_e z, W3_e z) over the chosen experts in ascending id (the reference's order), on the
+// expert inputs z [N, L]. act: SiTU-GLU β₁tanh(g/β₁)σ(g)·β₂tanh(u/β₂) (β₂ ≤ 0: u uncapped), or SwiGLU.
+struct Expert {
+  int64_t row, id;
+  float weight;
+};
+
+std::vector<Expert> route(const float *x, const float *gate_w, const float *bias, int64_t N, int64_t D, int64_t E,
+                          int64_t k, bool renormalize, float scaling) {
+  std::vector<Expert> chosen;
+  std::vector<float> score(E), choice(E);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t e = 0; e < E; ++e) {
+      score[e] = sigmoid(dot(x + n * D, gate_w + e * D, D));
+      choice[e] = score[e] + bias[e];
+    }
+    std::vector<Expert> row;
+    float total = 0.f;
+    for (int64_t j = 0; j < k; ++j) {  // the k best choices; the lowest id wins a tie
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (choice[e] > -INFINITY && (best < 0 || choice[e] > choice[best])) best = e;
+      choice[best] = -INFINITY;
+      row.push_back({n, best, score[best]});
+      total += score[best];
+    }
+    std::sort(row.begin(), row.end(), [](const Expert &a, const Expert &b) { return a.id < b.id; });
+    for (auto &r : row) r.weight = (renormalize ? r.weight / (total + 1e-20f) : r.weight) * scaling;
+    chosen.insert(chosen.end(), row.begin(), row.end());
+  }
+  return chosen;
+}
+
+torch::Tensor moe_routed(torch::Tensor x, torch::Tensor z, torch::Tensor gate_w, torch::Tensor bias, torch::Tensor w1,
+                         torch::Tensor w3, torch::Tensor w2, int64_t k, bool renormalize, double scaling, bool situ,
+                         double beta1, double beta2) {
+  const std::vector<std::pair<const torch::Tensor *, const char *>> all = {
+      {&x, "x"}, {&z, "z"}, {&gate_w, "gate.weight"}, {&bias, "e_score_correction_bias"}, {&w1, "w1"},
+      {&w3, "w3"}, {&w2, "w2"}};
+  for (const auto &[t, name] : all) check(*t, name);
+  const int64_t D = x.size(-1), N = x.numel() / D, E = w1.size(0), M = w1.size(1), L = w1.size(2);
+  TORCH_CHECK(z.numel() == N * L && gate_w.numel() == E * D && bias.numel() == E && w3.sizes() == w1.sizes() &&
+                  w2.size(0) == E && w2.size(1) == L && w2.size(2) == M && k >= 1 && k <= E,
+              "decode kernel: MoE shapes disagree");
+  const auto chosen = route(x.data_ptr<float>(), gate_w.data_ptr<float>(), bias.data_ptr<float>(), N, D, E, k,
+                            renormalize, static_cast<float>(scaling));
+  const int64_t A = chosen.size();
+  std::vector<float> h(A * M), y(A * L);
+  const float *zp = z.data_ptr<float>(), *w1p = w1.data_ptr<float>(), *w3p = w3.data_ptr<float>(),
+              *w2p = w2.data_ptr<float>();
+  const float b1 = beta1, b2 = beta2;
+  at::parallel_for(0, A * M, 16, [&](int64_t begin, int64_t end) {  // gate and up rows of every chosen expert
+    for (int64_t r = begin; r < end; ++r) {
+      const Expert &c = chosen[r / M];
+      const int64_t row = c.id * M + r % M;
+      const float g = dot(w1p + row * L, zp + c.row * L, L), u = dot(w3p + row * L, zp + c.row * L, L);
+      h[r] = situ ? b1 * std::tanh(g / b1) * sigmoid(g) * (b2 > 0 ? b2 * std::tanh(u / b2) : u) : g * sigmoid(g) * u;
+    }
+  });
+  at::parallel_for(0, A * L, 16, [&](int64_t begin, int64_t end) {  // down rows
+    for (int64_t r = begin; r < end; ++r) {
+      const Expert &c = chosen[r / L];
+      y[r] = dot(w2p + (c.id * L + r % L) * M, h.data() + (r / L) * M, M);
+    }
+  });
+  auto out = torch::zeros({N, L}, x.options());
+  float *op = out.data_ptr<float>();
+  for (int64_t a = 0; a < A; ++a)
+    for (int64_t l = 0; l < L; ++l) op[chosen[a].row * L + l] += chosen[a].weight * y[a * L + l];
+  return out;
+}
+
+// One absorbed-MLA step over a cache (k3.model.mla, §4.4), for each sequence b and head h with q = [q_nope ‖ q_pe]
+// [B, H, N+R], the latent cache [B, capacity, C+R] of which the first S positions are read, and kv_b_proj's weight
+// [H·(N+Vh), C] (W_UK: the first N rows of each head, W_UV: the next Vh):
+//   p = softmax_s([W_UKᵀ q_nope ‖ q_pe] · latent_s · scale),  o = W_UV Σ_s p_s ĉ_s,  times σ(gate) when given.
+torch::Tensor mla_step(torch::Tensor q, torch::Tensor latent, int64_t S, torch::Tensor kv_b, int64_t N, int64_t Vh,
+                       c10::optional<torch::Tensor> gate, double scale) {
+  check(q, "q");
+  check(latent, "the latent cache");
+  check(kv_b, "kv_b_proj.weight");
+  const int64_t B = latent.size(0), cap = latent.size(1), Lat = latent.size(2), H = kv_b.size(0) / (N + Vh),
+                C = kv_b.size(1), R = Lat - C;
+  TORCH_CHECK(S >= 1 && S <= cap && q.numel() == B * H * (N + R) && kv_b.size(0) == H * (N + Vh),
+              "decode kernel: MLA shapes disagree");
+  const float *g = nullptr;
+  if (gate) {
+    check(*gate, "the output gate");
+    TORCH_CHECK(gate->numel() == B * H * Vh, "decode kernel: the MLA output gate is not [B, H·Vh]");
+    g = gate->data_ptr<float>();
+  }
+  auto out = torch::empty({B, H * Vh}, q.options());
+  const float *qp = q.data_ptr<float>(), *lp = latent.data_ptr<float>(), *wp = kv_b.data_ptr<float>();
+  float *op = out.data_ptr<float>();
+  std::vector<float> q_lat(B * H * Lat), scores(B * H * S);
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {  // the query in latent space: [W_UKᵀ q_nope ‖ q_pe]
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const float *qh = qp + bh * (N + R), *w_uk = wp + (bh % H) * (N + Vh) * C;
+      float *ql = q_lat.data() + bh * Lat;
+      std::fill(ql, ql + C, 0.f);
+      for (int64_t n = 0; n < N; ++n)
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) ql[c] += qh[n] * w_uk[n * C + c];
+      for (int64_t r = 0; r < R; ++r) ql[C + r] = qh[N + r];
+    }
+  });
+  at::parallel_for(0, B * S, 64, [&](int64_t begin, int64_t end) {  // every latent row is read once for all heads
+    for (int64_t bs = begin; bs < end; ++bs) {
+      const int64_t b = bs / S, s = bs % S;
+      const float *row = lp + (b * cap + s) * Lat;
+      for (int64_t h = 0; h < H; ++h) scores[(b * H + h) * S + s] = dot(q_lat.data() + (b * H + h) * Lat, row, Lat) * scale;
+    }
+  });
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> o_lat(C);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      float *p = scores.data() + bh * S, top = -INFINITY, total = 0.f;
+      for (int64_t s = 0; s < S; ++s) top = std::max(top, p[s]);
+      for (int64_t s = 0; s < S; ++s) total += (p[s] = std::exp(p[s] - top));
+      std::fill(o_lat.begin(), o_lat.end(), 0.f);
+      for (int64_t s = 0; s < S; ++s) {
+        const float ps = p[s] / total, *row = lp + (b * cap + s) * Lat;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) o_lat[c] += ps * row[c];
+      }
+      for (int64_t v = 0; v < Vh; ++v) {
+        const float o = dot(wp + (h * (N + Vh) + N + v) * C, o_lat.data(), C);
+        op[bh * Vh + v] = g ? o * sigmoid(g[bh * Vh + v]) : o;
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMS or L2 normalisation of the rows, times an optional gain (fp32)");
   m.def("attn_res_mix", &attn_res_mix, "the Block AttnRes softmax mix of same-shaped sources (fp32)");
   m.def("kda_step", &kda_step, "one fused KDA decode step after the projections (fp32)");
+  m.def("moe_routed", &moe_routed, "router and routed experts of a MoE layer for a few tokens (fp32)");
+  m.def("mla_step", &mla_step, "one absorbed-MLA step over the latent cache (fp32)");
 }

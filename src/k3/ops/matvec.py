@@ -26,11 +26,9 @@ def _applies(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
 
 def linear(x_NI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
     """x Wᵀ over the last axis of x (`F.linear` without bias)."""
-    rows = x_NI.numel() // max(x_NI.shape[-1], 1)
-    if not _applies(x_NI, weight_OI, rows):
+    if not _applies(x_NI, weight_OI, x_NI.numel() // max(x_NI.shape[-1], 1)):
         return F.linear(x_NI, weight_OI)
-    y = compiled.load("matvec").linear(x_NI.reshape(rows, -1).contiguous(), weight_OI)
-    return y.view(*x_NI.shape[:-1], weight_OI.shape[0])
+    return compiled.load("matvec").linear(x_NI, weight_OI)  # any leading shape
 
 
 def expert_linear(x_AI: torch.Tensor, weight_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor | None:

@@ -5,18 +5,15 @@
 
 #include <ATen/Parallel.h>
 
+#include "kernel_math.h"
+
 #include <vector>
 
 namespace {
 
 constexpr int64_t kGrain = 16;  // output rows per task: a few KiB of weights
 
-inline float dot(const float *w, const float *x, int64_t n) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t j = 0; j < n; ++j) acc += w[j] * x[j];
-  return acc;
-}
+using k3::dot;
 
 void check(const torch::Tensor &x, const torch::Tensor &W) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && W.scalar_type() == torch::kFloat && x.is_contiguous() &&
@@ -25,11 +22,14 @@ void check(const torch::Tensor &x, const torch::Tensor &W) {
   TORCH_CHECK(x.size(-1) == W.size(-1), "matvec kernel: x and W disagree on the input width");
 }
 
-// x [N, in], W [out, in] -> y [N, out], y[a, i] = Σ_j W[i, j] x[a, j]
+// x [..., in] (N rows), W [out, in] -> y [..., out], y[a, i] = Σ_j W[i, j] x[a, j]
 torch::Tensor linear(torch::Tensor x, torch::Tensor W) {
+  x = x.contiguous();
   check(x, W);
-  const int64_t N = x.size(0), out = W.size(0), in = W.size(1);
-  auto y = torch::empty({N, out}, x.options());
+  const int64_t out = W.size(0), in = W.size(1), N = x.numel() / in;
+  auto sizes = x.sizes().vec();
+  sizes.back() = out;
+  auto y = torch::empty(sizes, x.options());
   const float *xp = x.data_ptr<float>(), *wp = W.data_ptr<float>();
   float *yp = y.data_ptr<float>();
   at::parallel_for(0, out, kGrain, [&](int64_t begin, int64_t end) {

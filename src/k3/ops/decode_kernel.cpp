@@ -284,24 +284,36 @@ torch::Tensor mla_step(torch::Tensor q, torch::Tensor latent, int64_t S, torch::
       for (int64_t h = 0; h < H; ++h) scores[(b * H + h) * S + s] = dot(q_lat.data() + (b * H + h) * Lat, row, Lat) * scale;
     }
   });
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> o_lat(C);
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      float *p = scores.data() + bh * S, top = -INFINITY, total = 0.f;
-      for (int64_t s = 0; s < S; ++s) top = std::max(top, p[s]);
-      for (int64_t s = 0; s < S; ++s) total += (p[s] = std::exp(p[s] - top));
-      std::fill(o_lat.begin(), o_lat.end(), 0.f);
-      for (int64_t s = 0; s < S; ++s) {
-        const float ps = p[s] / total, *row = lp + (b * cap + s) * Lat;
+  for (int64_t bh = 0; bh < B * H; ++bh) {  // softmax over the S positions
+    float *p = scores.data() + bh * S, top = -INFINITY, total = 0.f;
+    for (int64_t s = 0; s < S; ++s) top = std::max(top, p[s]);
+    for (int64_t s = 0; s < S; ++s) total += (p[s] = std::exp(p[s] - top));
+    for (int64_t s = 0; s < S; ++s) p[s] /= total;
+  }
+  // o_lat = Σ_s p_s ĉ_s for every head, each latent row read once for all heads, one partial sum per thread
+  const int64_t BHC = B * H * C;
+  std::vector<float> o_lat(at::get_num_threads() * BHC, 0.f);
+  at::parallel_for(0, B * S, 64, [&](int64_t begin, int64_t end) {
+    float *acc = o_lat.data() + at::get_thread_num() * BHC;
+    for (int64_t bs = begin; bs < end; ++bs) {
+      const int64_t b = bs / S, s = bs % S;
+      const float *row = lp + (b * cap + s) * Lat;
+      for (int64_t h = 0; h < H; ++h) {
+        const float ps = scores[(b * H + h) * S + s];
+        float *o = acc + (b * H + h) * C;
 #pragma omp simd
-        for (int64_t c = 0; c < C; ++c) o_lat[c] += ps * row[c];
-      }
-      for (int64_t v = 0; v < Vh; ++v) {
-        const float o = dot(wp + (h * (N + Vh) + N + v) * C, o_lat.data(), C);
-        op[bh * Vh + v] = g ? o * sigmoid(g[bh * Vh + v]) : o;
+        for (int64_t c = 0; c < C; ++c) o[c] += ps * row[c];
       }
     }
+  });
+  for (int64_t t = 1; t < at::get_num_threads(); ++t)
+    for (int64_t i = 0; i < BHC; ++i) o_lat[i] += o_lat[t * BHC + i];
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {  // o = W_UV o_lat, gated
+    for (int64_t bh = begin; bh < end; ++bh)
+      for (int64_t v = 0; v < Vh; ++v) {
+        const float o = dot(wp + ((bh % H) * (N + Vh) + N + v) * C, o_lat.data() + bh * C, C);
+        op[bh * Vh + v] = g ? o * sigmoid(g[bh * Vh + v]) : o;
+      }
   });
   return out;
 }

@@ -56,6 +56,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/kda.py --quick
 	$(PY) benchmarks/train.py --quick
 	$(PY) benchmarks/decode.py --quick
+	$(PY) benchmarks/decode_kernels.py --quick
 	$(PY) benchmarks/vision.py --quick
 	$(PY) benchmarks/scale_out.py --quick
 	-$(PY) benchmarks/peer_llama_cpp.py --quick  # needs a llama.cpp build (see the script); skipped without one

@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "kernel_math.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -20,16 +22,14 @@ template <typename F> void for_each_vector(int64_t n, const F &f) {
   });
 }
 
-struct Gate {  // a(g) and, when asked, ∂a/∂g
+struct Gate {  // a(g) and ∂a/∂g
   Vec a, da;
 };
 
-Gate gate(const Vec &g, float beta1, bool derivative) {
+Gate gate(const Vec &g, float beta1) {
   const Vec one(1.f), b1(beta1);
   const Vec t = (g / b1).tanh(), s = one / (one + g.neg().exp());
-  Gate out{b1 * t * s, Vec(0.f)};
-  if (derivative) out.da = (one - t * t) * s + b1 * t * s * (one - s);
-  return out;
+  return {b1 * t * s, (one - t * t) * s + b1 * t * s * (one - s)};
 }
 
 void check(const std::vector<torch::Tensor> &ts) {
@@ -46,9 +46,7 @@ torch::Tensor forward(torch::Tensor g, torch::Tensor u, double beta1, double bet
   float *hp = h.data_ptr<float>();
   const float b1 = beta1, b2 = beta2;
   for_each_vector(g.numel(), [&](int64_t i, int64_t n) {
-    const Vec uv = Vec::loadu(up + i, n);
-    const Vec c = b2 > 0 ? Vec(b2) * (uv / Vec(b2)).tanh() : uv;
-    (gate(Vec::loadu(gp + i, n), b1, false).a * c).store(hp + i, n);
+    k3::situ_glu(Vec::loadu(gp + i, n), Vec::loadu(up + i, n), b1, b2).store(hp + i, n);
   });
   return h;
 }
@@ -67,7 +65,7 @@ std::vector<torch::Tensor> backward(torch::Tensor g, torch::Tensor u, torch::Ten
       c = Vec(b2) * t;
       dc = Vec(1.f) - t * t;
     }
-    const Gate a = gate(Vec::loadu(gp + i, n), b1, true);
+    const Gate a = gate(Vec::loadu(gp + i, n), b1);
     (d * c * a.da).store(dgp + i, n);
     (d * a.a * dc).store(dup + i, n);
   });

@@ -62,20 +62,23 @@ torch::Tensor attn_res_mix(std::vector<torch::Tensor> sources, torch::Tensor gam
   const int64_t D = sources[0].size(-1), N = sources[0].numel() / D, S = sources.size();
   TORCH_CHECK(gamma.numel() == D && w.numel() == D, "decode kernel: gain and pseudo-query must have ", D, " entries");
   std::vector<float> q(D), p(S);
-  for (int64_t d = 0; d < D; ++d) q[d] = gamma.data_ptr<float>()[d] * w.data_ptr<float>()[d];
+  std::vector<const float *> V(S);
+  for (int64_t s = 0; s < S; ++s) V[s] = sources[s].data_ptr<float>();
+  const float *gp = gamma.data_ptr<float>(), *wp = w.data_ptr<float>();
+  for (int64_t d = 0; d < D; ++d) q[d] = gp[d] * wp[d];
   auto y = torch::zeros_like(sources[0]);
   float *yp = y.data_ptr<float>();
   for (int64_t n = 0; n < N; ++n) {
     float top = -INFINITY, total = 0.f;
     for (int64_t s = 0; s < S; ++s) {
-      const float *v = sources[s].data_ptr<float>() + n * D;
+      const float *v = V[s] + n * D;
       p[s] = dot(v, q.data(), D) * inverse_norm(v, D, static_cast<float>(D), eps);
       top = std::max(top, p[s]);
     }
     for (int64_t s = 0; s < S; ++s) total += (p[s] = std::exp(p[s] - top));
     float *yr = yp + n * D;
     for (int64_t s = 0; s < S; ++s) {
-      const float *v = sources[s].data_ptr<float>() + n * D, ps = p[s] / total;
+      const float *v = V[s] + n * D, ps = p[s] / total;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) yr[d] += ps * v[d];
     }
@@ -218,18 +221,23 @@ torch::Tensor moe_routed(torch::Tensor x, torch::Tensor z, torch::Tensor gate_w,
   const auto chosen = route(x.data_ptr<float>(), gate_w.data_ptr<float>(), bias.data_ptr<float>(), N, D, E, k,
                             renormalize, static_cast<float>(scaling));
   const int64_t A = chosen.size();
-  std::vector<float> h(A * M), y(A * L);
+  std::vector<float> h(A * M), u(A * M), y(A * L);
   const float *zp = z.data_ptr<float>(), *w1p = w1.data_ptr<float>(), *w3p = w3.data_ptr<float>(),
               *w2p = w2.data_ptr<float>();
-  const float b1 = beta1, b2 = beta2;
   at::parallel_for(0, A * M, 16, [&](int64_t begin, int64_t end) {  // gate and up rows of every chosen expert
     for (int64_t r = begin; r < end; ++r) {
       const Expert &c = chosen[r / M];
       const int64_t row = c.id * M + r % M;
-      const float g = dot(w1p + row * L, zp + c.row * L, L), u = dot(w3p + row * L, zp + c.row * L, L);
-      h[r] = situ ? b1 * std::tanh(g / b1) * sigmoid(g) * (b2 > 0 ? b2 * std::tanh(u / b2) : u) : g * sigmoid(g) * u;
+      h[r] = dot(w1p + row * L, zp + c.row * L, L);
+      u[r] = dot(w3p + row * L, zp + c.row * L, L);
     }
   });
+  using Vec = at::vec::Vectorized<float>;
+  for (int64_t i = 0; i < A * M; i += Vec::size()) {  // h = act(g, u), in place of g
+    const int64_t n = std::min<int64_t>(Vec::size(), A * M - i);
+    const Vec g = Vec::loadu(h.data() + i, n), up = Vec::loadu(u.data() + i, n);
+    (situ ? k3::situ_glu(g, up, beta1, beta2) : g / (Vec(1.f) + g.neg().exp()) * up).store(h.data() + i, n);
+  }
   at::parallel_for(0, A * L, 16, [&](int64_t begin, int64_t end) {  // down rows
     for (int64_t r = begin; r < end; ++r) {
       const Expert &c = chosen[r / L];

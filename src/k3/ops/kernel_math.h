@@ -29,4 +29,12 @@ inline float dot(const float *a, const float *b, int64_t n) {
 
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 
+// SiTU-GLU of §6.1 on one vector: β₁ tanh(g/β₁) σ(g) · β₂ tanh(u/β₂), with u uncapped where β₂ ≤ 0
+inline at::vec::Vectorized<float> situ_glu(const at::vec::Vectorized<float> &g, const at::vec::Vectorized<float> &u,
+                                           float beta1, float beta2) {
+  using Vec = at::vec::Vectorized<float>;
+  const Vec one(1.f), b1(beta1), c = beta2 > 0 ? Vec(beta2) * (u / Vec(beta2)).tanh() : u;
+  return b1 * (g / b1).tanh() * (one / (one + g.neg().exp())) * c;
+}
+
 }  // namespace k3

@@ -7,11 +7,14 @@
 
 #include "kernel_math.h"
 
+#include <algorithm>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kGrain = 16;  // output rows per task: a few KiB of weights
+// the fewest output rows worth a task of their own: 64 KiB of weights (a smaller matrix is read by one thread,
+// cheaper than waking the others)
+inline int64_t grain(int64_t in) { return std::max<int64_t>(16, (64 << 10) / (4 * std::max<int64_t>(in, 1))); }
 
 using k3::dot;
 
@@ -32,7 +35,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor W) {
   auto y = torch::empty(sizes, x.options());
   const float *xp = x.data_ptr<float>(), *wp = W.data_ptr<float>();
   float *yp = y.data_ptr<float>();
-  at::parallel_for(0, out, kGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, out, grain(in), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       for (int64_t a = 0; a < N; ++a) yp[a * out + i] = dot(wp + i * in, xp + a * in, in);
   });
@@ -56,7 +59,7 @@ torch::Tensor expert_linear(torch::Tensor x, torch::Tensor W, torch::Tensor coun
   auto y = torch::empty({A, out}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = W.data_ptr<float>();
   float *yp = y.data_ptr<float>();
-  at::parallel_for(0, A * out, kGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, A * out, grain(in), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t a = r / out, i = r % out;
       yp[r] = dot(wp + (expert[a] * out + i) * in, xp + a * in, in);

@@ -80,3 +80,23 @@ def test_grouped_mm_with_few_rows_takes_the_kernel(monkeypatch, counts):
 def test_counts_that_do_not_add_up_are_refused():
     with torch.no_grad(), pytest.raises(RuntimeError, match="the counts do not add up to the rows"):
         matvec.expert_linear(randn(4, 20), randn(6, 30, 20), torch.tensor([1, 0, 2, 0, 0, 2]))
+
+
+def test_project_is_each_layer_in_one_pass_unless_hooked():
+    """`project` equals calling each layer (different output widths, one input); with a forward hook on any
+    layer, or with grad, every layer is called as a module."""
+    layers = [matvec.Linear(64, out) for out in (48, 7, 130)]
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            layer.weight.copy_(randn(*layer.weight.shape, seed=i))
+    x = randn(2, 1, 64, seed=9)
+    with torch.no_grad():
+        outputs = matvec.project(x, *layers)
+        for y, layer in zip(outputs, layers):
+            assert y.shape == (2, 1, layer.out_features)
+            torch.testing.assert_close(y, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+        seen = []
+        layers[1].register_forward_hook(lambda module, args, out: seen.append(out))
+        hooked = matvec.project(x, *layers)
+    assert len(seen) == 1 and seen[0] is hooked[1]
+    assert matvec.project(x, *layers)[0].requires_grad  # grad on: the modules themselves

@@ -19,7 +19,7 @@ from k3.ops.precision import KeepFP32, fp32
 from k3.ops.kda import chunk_kda, recurrent_kda
 from k3.ops.kda.gpu import fla_kda, use_fla
 from k3.ops.kda.varlen import chunk_kda_by_document, kda_by_document
-from k3.ops.matvec import Linear
+from k3.ops.matvec import Linear, project
 
 
 def kda_decay(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor,
@@ -181,9 +181,11 @@ class KimiDeltaAttention(KeepFP32):
         """A one-token step (T = 1) with a cache as one compiled call after the projections
         (`k3.ops.decode.kda_step`, the same steps as `forward`); returns the `o_proj` input [B, 1, H·K]."""
         cache.recurrent_state_BHKV = cache.recurrent_state_BHKV.contiguous()  # updated in place
+        full_rank = self.config.use_full_rank_gate
+        q, k, v, f_a, b, g = project(x_BTD, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
+                                     self.g_proj if full_rank else self.g_a_proj)  # one pass over their weights
         convs = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
-        o_BP = decode.kda_step(self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD), cache.conv_state_B3WP,
-                               convs, self.f_b_proj(self.f_a_proj(x_BTD)), self.A_log, self.dt_bias,
-                               self.config.gate_lower_bound, self.b_proj(x_BTD), cache.recurrent_state_BHKV,
-                               self.output_gate(x_BTD), self.o_norm.weight, self.o_norm.eps)
+        o_BP = decode.kda_step(q, k, v, cache.conv_state_B3WP, convs, self.f_b_proj(f_a), self.A_log, self.dt_bias,
+                               self.config.gate_lower_bound, b, cache.recurrent_state_BHKV,
+                               g if full_rank else self.g_b_proj(g), self.o_norm.weight, self.o_norm.eps)
         return o_BP[:, None]

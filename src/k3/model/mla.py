@@ -15,7 +15,7 @@ from k3.ops import decode
 from k3.ops.norm import RMSNorm
 from k3.ops.precision import fp32
 from k3.ops.rope import apply_rope, rope_angles
-from k3.ops.matvec import Linear
+from k3.ops.matvec import Linear, project
 
 MLA_LORA_NORM_EPS = 1e-6  # §0.5: class default of the reference RMSNorm; the config's eps is not passed
 
@@ -43,20 +43,22 @@ class GatedMLA(nn.Module):
         self.o_proj = Linear(H * Vh, D)
         self.scale = (N + R) ** -0.5  # 1/sqrt(qk_nope + qk_rope), in every form
 
-    def project_query(self, x_BTD: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_query(self, x_BTD: torch.Tensor, start: int = 0,
+                      q_a_BTq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_nope [B,T,H,N], q_pe [B,T,H,R]) from c_q = RMSNorm_{1e-6}(x W_qaᵀ) (steps 1–2); q_pe rotated to
-        the positions start.. in the RoPE form."""
+        the positions start.. in the RoPE form. `q_a_BTq`: x W_qaᵀ where the caller has it already."""
         B, T, _ = x_BTD.shape
         cfg = self.config
-        q_BTHQ = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))).view(B, T, self.num_heads, -1)
+        q_a_BTq = self.q_a_proj(x_BTD) if q_a_BTq is None else q_a_BTq
+        q_BTHQ = self.q_b_proj(self.q_a_layernorm(q_a_BTq)).view(B, T, self.num_heads, -1)
         q_nope_BTHK, q_pe_BTHR = q_BTHQ.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         return q_nope_BTHK, self._rotate(q_pe_BTHR, start)
 
-    def compress_kv(self, x_BTD: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def compress_kv(self, x_BTD: torch.Tensor, start: int = 0, kv_a_BTL: torch.Tensor | None = None) -> torch.Tensor:
         """The 576-number latent per token: [ĉ = RMSNorm_{1e-6}(c) ‖ raw k_pe] (steps 3–4, §4.3); k_pe rotated
-        to the positions start.. in the RoPE form."""
-        c_BTc, k_pe_BTR = self.kv_a_proj_with_mqa(x_BTD).split(
-            [self.config.kv_lora_rank, self.config.qk_rope_head_dim], dim=-1)
+        to the positions start.. in the RoPE form. `kv_a_BTL`: x W_kvaᵀ where the caller has it already."""
+        kv_a_BTL = self.kv_a_proj_with_mqa(x_BTD) if kv_a_BTL is None else kv_a_BTL
+        c_BTc, k_pe_BTR = kv_a_BTL.split([self.config.kv_lora_rank, self.config.qk_rope_head_dim], dim=-1)
         return torch.cat([self.kv_a_layernorm(c_BTc), self._rotate(k_pe_BTR, start)], dim=-1)
 
     def _rotate(self, x_BTR: torch.Tensor, start: int) -> torch.Tensor:
@@ -104,11 +106,12 @@ class GatedMLA(nn.Module):
         """A one-token step (T = 1, no padding) with a cache: the latent written at `start`, then the absorbed
         attention and the output gate as one compiled call (`k3.ops.decode.mla_step`), then `o_proj`."""
         cfg = self.config
-        cache.latent_BSL[:, start: start + 1] = self.compress_kv(x_BTD, start)
-        q_BTHQ = torch.cat(self.project_query(x_BTD, start), dim=-1)
-        gate_BTP = self.g_proj(x_BTD) if cfg.mla_use_output_gate else None
+        gate = [self.g_proj] if cfg.mla_use_output_gate else []
+        q_a_BTq, kv_a_BTL, *gate_BTP = project(x_BTD, self.q_a_proj, self.kv_a_proj_with_mqa, *gate)  # one pass
+        cache.latent_BSL[:, start: start + 1] = self.compress_kv(x_BTD, start, kv_a_BTL)
+        q_BTHQ = torch.cat(self.project_query(x_BTD, start, q_a_BTq), dim=-1)
         o_BP = decode.mla_step(q_BTHQ, cache.latent_BSL, start + 1, self.kv_b_proj.weight, cfg.qk_nope_head_dim,
-                               cfg.v_head_dim, gate_BTP, self.scale)
+                               cfg.v_head_dim, gate_BTP[0] if gate_BTP else None, self.scale)
         return self.o_proj(o_BP[:, None])
 
     @property

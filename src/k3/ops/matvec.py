@@ -13,6 +13,7 @@ and with at most `MAX_ROWS` rows; every other call, and every call where the ker
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from k3.ops import compiled
 
@@ -29,6 +30,18 @@ def linear(x_NI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
     if not _applies(x_NI, weight_OI, x_NI.numel() // max(x_NI.shape[-1], 1)):
         return F.linear(x_NI, weight_OI)
     return compiled.load("matvec").linear(x_NI, weight_OI)  # any leading shape
+
+
+def project(x: torch.Tensor, *layers: nn.Linear) -> list[torch.Tensor]:
+    """[layer(x) for layer in layers] for bias-free `Linear` layers of one input width: one compiled pass over all
+    their weights where the kernel serves every product and no forward hook waits for a layer to be called, else
+    each layer called."""
+    weights = [layer.weight for layer in layers]
+    hooked = _global_forward_hooks or _global_forward_pre_hooks or any(
+        layer._forward_hooks or layer._forward_pre_hooks for layer in layers)
+    if hooked or not all(_applies(x, w, x.numel() // max(x.shape[-1], 1)) for w in weights):
+        return [layer(x) for layer in layers]
+    return compiled.load("matvec").linears(x, weights)
 
 
 def expert_linear(x_AI: torch.Tensor, weight_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor | None:

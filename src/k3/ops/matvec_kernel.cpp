@@ -42,6 +42,35 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor W) {
   return y;
 }
 
+// x [..., in] and weights W_k [out_k, in] -> [x W_kᵀ for every k]: one pass over all the weights' rows, split over
+// the threads (the projections of one input: fewer, larger parallel regions stream memory faster)
+std::vector<torch::Tensor> linears(torch::Tensor x, std::vector<torch::Tensor> Ws) {
+  x = x.contiguous();
+  std::vector<int64_t> first{0};  // the first row of each weight in the concatenated rows
+  std::vector<torch::Tensor> ys;
+  for (const auto &W : Ws) {
+    check(x, W);
+    auto sizes = x.sizes().vec();
+    sizes.back() = W.size(0);
+    ys.push_back(torch::empty(sizes, x.options()));
+    first.push_back(first.back() + W.size(0));
+  }
+  const int64_t in = x.size(-1), N = x.numel() / in;
+  const float *xp = x.data_ptr<float>();
+  std::vector<const float *> wp;
+  std::vector<float *> yp;
+  for (size_t k = 0; k < Ws.size(); ++k) wp.push_back(Ws[k].data_ptr<float>()), yp.push_back(ys[k].data_ptr<float>());
+  at::parallel_for(0, first.back(), grain(in), [&](int64_t begin, int64_t end) {
+    size_t k = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+    for (int64_t r = begin; r < end; ++r) {
+      while (r >= first[k + 1]) ++k;
+      const int64_t i = r - first[k], out = first[k + 1] - first[k];
+      for (int64_t a = 0; a < N; ++a) yp[k][a * out + i] = dot(wp[k] + i * in, xp + a * in, in);
+    }
+  });
+  return ys;
+}
+
 // x [A, in] with its rows sorted by expert, counts[e] of them for expert e; W [E, out, in] -> y [A, out],
 // y[a, i] = Σ_j W[e(a), i, j] x[a, j] (grouped_mm's contract)
 torch::Tensor expert_linear(torch::Tensor x, torch::Tensor W, torch::Tensor counts) {
@@ -72,5 +101,6 @@ torch::Tensor expert_linear(torch::Tensor x, torch::Tensor W, torch::Tensor coun
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x Wᵀ for a few rows of x (fp32)");
+  m.def("linears", &linears, "x W_kᵀ for several weights W_k in one pass, a few rows of x (fp32)");
   m.def("expert_linear", &expert_linear, "x[a] W[e(a)]ᵀ for rows sorted by expert (fp32)");
 }

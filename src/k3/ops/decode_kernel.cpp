@@ -251,6 +251,38 @@ torch::Tensor moe_routed(torch::Tensor x, torch::Tensor z, torch::Tensor gate_w,
   return out;
 }
 
+// softmax over each of `rows` rows of `n` values, in place (vectorised: the rows are as long as the context)
+void softmax_rows(float *p, int64_t rows, int64_t n) {
+  using Vec = at::vec::Vectorized<float>;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (float *row = p + begin * n; row < p + end * n; row += n) {
+      const float top = at::vec::reduce_all<float>([](Vec &a, Vec &b) { return at::vec::maximum(a, b); }, row, n);
+      at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, row, row, n);
+      const float total = at::vec::reduce_all<float>([](Vec &a, Vec &b) { return a + b; }, row, n);
+      at::vec::map([total](Vec x) { return x / Vec(total); }, row, row, n);
+    }
+  });
+}
+
+constexpr int64_t kHeads = 8;  // heads whose scores one pass over a latent row accumulates together
+
+// out[h] = q[h] · row for kHeads query rows q [kHeads, n]: the row is loaded once per vector for all of them
+inline void dot_heads(const float *q, const float *row, int64_t n, float *out) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t V = Vec::size();
+  Vec acc[kHeads];
+  for (auto &a : acc) a = Vec(0.f);
+  int64_t j = 0;
+  for (; j + V <= n; j += V) {
+    const Vec r = Vec::loadu(row + j);
+    for (int64_t h = 0; h < kHeads; ++h) acc[h] = at::vec::fmadd(Vec::loadu(q + h * n + j), r, acc[h]);
+  }
+  for (int64_t h = 0; h < kHeads; ++h) {
+    out[h] = at::vec::vec_reduce_all<float>([](Vec &x, Vec &y) { return x + y; }, acc[h]);
+    for (int64_t t = j; t < n; ++t) out[h] += q[h * n + t] * row[t];
+  }
+}
+
 // One absorbed-MLA step over a cache (k3.model.mla, §4.4), for each sequence b and head h with q = [q_nope ‖ q_pe]
 // [B, H, N+R], the latent cache [B, capacity, C+R] of which the first S positions are read, and kv_b_proj's weight
 // [H·(N+Vh), C] (W_UK: the first N rows of each head, W_UV: the next Vh):
@@ -273,31 +305,32 @@ torch::Tensor mla_step(torch::Tensor q, torch::Tensor latent, int64_t S, torch::
   auto out = torch::empty({B, H * Vh}, q.options());
   const float *qp = q.data_ptr<float>(), *lp = latent.data_ptr<float>(), *wp = kv_b.data_ptr<float>();
   float *op = out.data_ptr<float>();
-  std::vector<float> q_lat(B * H * Lat), scores(B * H * S);
+  const int64_t H_pad = (H + kHeads - 1) / kHeads * kHeads;  // q_lat padded with zero heads to whole blocks
+  std::vector<float> q_lat(B * H_pad * Lat, 0.f), scores(B * H * S);
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {  // the query in latent space: [W_UKᵀ q_nope ‖ q_pe]
     for (int64_t bh = begin; bh < end; ++bh) {
       const float *qh = qp + bh * (N + R), *w_uk = wp + (bh % H) * (N + Vh) * C;
-      float *ql = q_lat.data() + bh * Lat;
-      std::fill(ql, ql + C, 0.f);
+      float *ql = q_lat.data() + ((bh / H) * H_pad + bh % H) * Lat;
       for (int64_t n = 0; n < N; ++n)
 #pragma omp simd
         for (int64_t c = 0; c < C; ++c) ql[c] += qh[n] * w_uk[n * C + c];
       for (int64_t r = 0; r < R; ++r) ql[C + r] = qh[N + r];
     }
   });
-  at::parallel_for(0, B * S, 64, [&](int64_t begin, int64_t end) {  // every latent row is read once for all heads
+  // scores = q_lat · latent_s · scale: each latent row read once for every block of kHeads heads, whose partial
+  // sums stay in registers
+  at::parallel_for(0, B * S, 64, [&](int64_t begin, int64_t end) {
     for (int64_t bs = begin; bs < end; ++bs) {
       const int64_t b = bs / S, s = bs % S;
       const float *row = lp + (b * cap + s) * Lat;
-      for (int64_t h = 0; h < H; ++h) scores[(b * H + h) * S + s] = dot(q_lat.data() + (b * H + h) * Lat, row, Lat) * scale;
+      for (int64_t h0 = 0; h0 < H; h0 += kHeads) {
+        float sc[kHeads];
+        dot_heads(q_lat.data() + (b * H_pad + h0) * Lat, row, Lat, sc);
+        for (int64_t h = h0; h < std::min(H, h0 + kHeads); ++h) scores[(b * H + h) * S + s] = sc[h - h0] * scale;
+      }
     }
   });
-  for (int64_t bh = 0; bh < B * H; ++bh) {  // softmax over the S positions
-    float *p = scores.data() + bh * S, top = -INFINITY, total = 0.f;
-    for (int64_t s = 0; s < S; ++s) top = std::max(top, p[s]);
-    for (int64_t s = 0; s < S; ++s) total += (p[s] = std::exp(p[s] - top));
-    for (int64_t s = 0; s < S; ++s) p[s] /= total;
-  }
+  softmax_rows(scores.data(), B * H, S);
   // o_lat = Σ_s p_s ĉ_s for every head, each latent row read once for all heads, one partial sum per thread
   const int64_t BHC = B * H * C;
   std::vector<float> o_lat(at::get_num_threads() * BHC, 0.f);

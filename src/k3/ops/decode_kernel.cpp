@@ -264,7 +264,8 @@ void softmax_rows(float *p, int64_t rows, int64_t n) {
   });
 }
 
-constexpr int64_t kHeads = 8;  // heads whose scores one pass over a latent row accumulates together
+constexpr int64_t kHeads = 8;  // heads whose sums one pass over the latent rows accumulates together
+constexpr int64_t kRows = 64;  // latent rows per block of the weighted sum
 
 // out[h] = q[h] · row for kHeads query rows q [kHeads, n]: the row is loaded once per vector for all of them
 inline void dot_heads(const float *q, const float *row, int64_t n, float *out) {
@@ -306,7 +307,7 @@ torch::Tensor mla_step(torch::Tensor q, torch::Tensor latent, int64_t S, torch::
   const float *qp = q.data_ptr<float>(), *lp = latent.data_ptr<float>(), *wp = kv_b.data_ptr<float>();
   float *op = out.data_ptr<float>();
   const int64_t H_pad = (H + kHeads - 1) / kHeads * kHeads;  // q_lat padded with zero heads to whole blocks
-  std::vector<float> q_lat(B * H_pad * Lat, 0.f), scores(B * H * S);
+  std::vector<float> q_lat(B * H_pad * Lat, 0.f), scores(B * H_pad * S, 0.f);  // padded heads: p = 0
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {  // the query in latent space: [W_UKᵀ q_nope ‖ q_pe]
     for (int64_t bh = begin; bh < end; ++bh) {
       const float *qh = qp + bh * (N + R), *w_uk = wp + (bh % H) * (N + Vh) * C;
@@ -326,25 +327,36 @@ torch::Tensor mla_step(torch::Tensor q, torch::Tensor latent, int64_t S, torch::
       for (int64_t h0 = 0; h0 < H; h0 += kHeads) {
         float sc[kHeads];
         dot_heads(q_lat.data() + (b * H_pad + h0) * Lat, row, Lat, sc);
-        for (int64_t h = h0; h < std::min(H, h0 + kHeads); ++h) scores[(b * H + h) * S + s] = sc[h - h0] * scale;
+        for (int64_t h = h0; h < std::min(H, h0 + kHeads); ++h) scores[(b * H_pad + h) * S + s] = sc[h - h0] * scale;
       }
     }
   });
-  softmax_rows(scores.data(), B * H, S);
-  // o_lat = Σ_s p_s ĉ_s for every head, each latent row read once for all heads, one partial sum per thread
-  const int64_t BHC = B * H * C;
+  for (int64_t b = 0; b < B; ++b) softmax_rows(scores.data() + b * H_pad * S, H, S);
+  // o_lat = Σ_s p_s ĉ_s for every head: blocks of kRows rows of one sequence; for each block of kHeads heads and
+  // each vector of channels the kHeads sums stay in registers over the block; one partial sum per thread
+  const int64_t BHC = B * H_pad * C;
   std::vector<float> o_lat(at::get_num_threads() * BHC, 0.f);
-  at::parallel_for(0, B * S, 64, [&](int64_t begin, int64_t end) {
-    float *acc = o_lat.data() + at::get_thread_num() * BHC;
-    for (int64_t bs = begin; bs < end; ++bs) {
-      const int64_t b = bs / S, s = bs % S;
-      const float *row = lp + (b * cap + s) * Lat;
-      for (int64_t h = 0; h < H; ++h) {
-        const float ps = scores[(b * H + h) * S + s];
-        float *o = acc + (b * H + h) * C;
-#pragma omp simd
-        for (int64_t c = 0; c < C; ++c) o[c] += ps * row[c];
-      }
+  at::parallel_for(0, B * S, kRows, [&](int64_t begin, int64_t end) {
+    using Vec = at::vec::Vectorized<float>;
+    float *acc_thread = o_lat.data() + at::get_thread_num() * BHC;
+    for (int64_t first = begin; first < end;) {
+      const int64_t b = first / S, last = std::min({end, first + kRows, (b + 1) * S});
+      for (int64_t h0 = 0; h0 < H; h0 += kHeads)
+        for (int64_t c0 = 0; c0 < C; c0 += Vec::size()) {
+          const int64_t n = std::min<int64_t>(Vec::size(), C - c0);
+          Vec acc[kHeads];
+          for (auto &a : acc) a = Vec(0.f);
+          for (int64_t bs = first; bs < last; ++bs) {
+            const Vec r = Vec::loadu(lp + (b * cap + bs % S) * Lat + c0, n);
+            for (int64_t h = 0; h < kHeads; ++h)
+              acc[h] = at::vec::fmadd(Vec(scores[(b * H_pad + h0 + h) * S + bs % S]), r, acc[h]);
+          }
+          for (int64_t h = 0; h < kHeads; ++h) {
+            float *o = acc_thread + (b * H_pad + h0 + h) * C + c0;
+            (Vec::loadu(o, n) + acc[h]).store(o, n);
+          }
+        }
+      first = last;
     }
   });
   for (int64_t t = 1; t < at::get_num_threads(); ++t)
@@ -352,7 +364,7 @@ torch::Tensor mla_step(torch::Tensor q, torch::Tensor latent, int64_t S, torch::
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {  // o = W_UV o_lat, gated
     for (int64_t bh = begin; bh < end; ++bh)
       for (int64_t v = 0; v < Vh; ++v) {
-        const float o = dot(wp + ((bh % H) * (N + Vh) + N + v) * C, o_lat.data() + bh * C, C);
+        const float o = dot(wp + ((bh % H) * (N + Vh) + N + v) * C, o_lat.data() + ((bh / H) * H_pad + bh % H) * C, C);
         op[bh * Vh + v] = g ? o * sigmoid(g[bh * Vh + v]) : o;
       }
   });

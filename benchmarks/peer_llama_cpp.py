@@ -13,16 +13,18 @@ Before timing, the last-position logits of a few short prompts (tokenised by lla
 A random-init model's sigmoid router scores lie close together, so a prompt whose 4th and 5th expert scores differ
 by ~1e-6 can route differently in the two implementations (seen with k3-small: 3e-4 otherwise, ~1 then).
 
-At each context depth d (--contexts, tokens already in the cache):
+At each context depth d (--contexts, tokens already in the cache), in R rounds that alternate the two programs
+(the machine's speed drifts by tens of percent over minutes; alternating lets a drift reach both alike):
 
-* llama.cpp: `llama-bench -p P -n N -d d -t T -r R -o json` (pp: P tokens in one batch on top of d; tg: N tokens
-  decoded one by one on top of d; its own warm-up run first); the median of its per-repetition tok/s;
-* k3: the cache is filled to d in chunks (decode.py's `Prefill`), then per repetition (one warm-up first, the
-  cache put back each time): P tokens in one call, and N greedy one-token decode steps as `generate` does; the
-  median tok/s. fp32, B=1, no_grad, torch with T threads.
+* llama.cpp: `llama-bench -p P -n N -d d -t T -r 1 -o json` (pp: P tokens in one batch on top of d; tg: N tokens
+  decoded one by one on top of d; its own warm-up run first);
+* k3: the cache is filled to d once in chunks (decode.py's `Prefill`) and warmed up by one repetition; each round
+  puts the cache back and runs P tokens in one call, then N greedy one-token decode steps as `generate` does.
+  fp32, B=1, no_grad, torch with T threads.
 
-Ratio = k3 / llama.cpp (above 1: k3 faster). "CPU wait" is the share of wall time in which some task waited for a
-core (Linux PSI); well above 0 % means other processes competed and the numbers are inflated.
+Reported: the medians over the rounds of each side's tok/s, and ratio = the median of the per-round k3 / llama.cpp
+(above 1: k3 faster). "CPU wait" is the share of wall time in which some task waited for a core (Linux PSI); well
+above 0 % means other processes competed and the numbers are inflated.
 
 Reproduce (llama.cpp as vendored by llama-cpp-python 0.3.36; the converter needs transformers 4.57.6,
 pyyaml 6.0.3, huggingface-hub 0.36.0, tokenizers 0.22.1 beside the venv's torch/numpy/safetensors):
@@ -160,24 +162,32 @@ def llama_bench(bin_dir: Path, gguf: Path, contexts, n_prompt, n_gen, reps, thre
     return {(r["n_depth"], "pp" if r["n_prompt"] else "tg"): statistics.median(r["samples_ts"]) for r in results}
 
 
-@torch.no_grad()
-def k3_speeds(model, depth, n_prompt, n_gen, reps):
-    """(prefill, decode) median tok/s of k3 on top of `depth` cached tokens."""
-    ids_BT = torch.randint(0, model.config.vocab_size, (1, depth + n_prompt), generator=torch.Generator().manual_seed(0))
-    cache = model.make_cache(1, capacity=depth + max(n_prompt, n_gen))
-    Prefill(model, cache, ids_BT, budget_s=math.inf).to(depth)
-    start, pp, tg = snapshot(cache), [], []
-    for _ in range(reps + 1):  # the first repetition is a warm-up
-        restore(cache, start)
+class K3Speeds:
+    """k3 on top of `depth` cached tokens: the cache is filled once; each `once()` puts it back and measures
+    (prefill tok/s, decode tok/s)."""
+
+    @torch.no_grad()
+    def __init__(self, model, depth, n_prompt, n_gen):
+        self.model, self.n_prompt, self.n_gen = model, n_prompt, n_gen
+        self.ids_BT = torch.randint(0, model.config.vocab_size, (1, depth + n_prompt),
+                                    generator=torch.Generator().manual_seed(0))
+        self.cache = model.make_cache(1, capacity=depth + max(n_prompt, n_gen))
+        Prefill(model, self.cache, self.ids_BT, budget_s=math.inf).to(depth)
+        self.depth, self.start = depth, snapshot(self.cache)
+        self.once()  # warm-up
+
+    @torch.no_grad()
+    def once(self) -> tuple[float, float]:
+        model, cache = self.model, self.cache
+        restore(cache, self.start)
         t0 = time.perf_counter()
-        model(ids_BT[:, depth:], cache=cache)
-        pp.append(n_prompt / (time.perf_counter() - t0))
-        restore(cache, start)
-        next_B, t0 = ids_BT[:, depth], time.perf_counter()
-        for _ in range(n_gen):
+        model(self.ids_BT[:, self.depth:], cache=cache)
+        pp = self.n_prompt / (time.perf_counter() - t0)
+        restore(cache, self.start)
+        next_B, t0 = self.ids_BT[:, self.depth], time.perf_counter()
+        for _ in range(self.n_gen):
             next_B = sample_next_token(model(next_B[:, None], cache=cache, validate=False).logits[:, -1], 0)
-        tg.append(n_gen / (time.perf_counter() - t0))
-    return statistics.median(pp[1:]), statistics.median(tg[1:])
+        return pp, self.n_gen / (time.perf_counter() - t0)
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -194,7 +204,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="pp 64, tg 8, 1 repetition: checks the pipeline")
     args = parser.parse_args()
     contexts = args.contexts or ([512] if args.quick else [512, 8192])
-    n_prompt, n_gen, reps = (64, 8, 1) if args.quick else (512, 64, 3)
+    n_prompt, n_gen, reps = (64, 8, 1) if args.quick else (512, 64, 5)
 
     build = Path(args.llama_cpp)
     bin_dir, cmake_cache = build / "bin", build / "CMakeCache.txt"
@@ -220,22 +230,33 @@ def main():
         print(check, flush=True)
 
         start, cpu_wait = time.perf_counter(), CpuWait()
-        theirs = llama_bench(bin_dir, gguf, contexts, n_prompt, n_gen, reps, args.threads, args.outtype)
+        ours = {depth: K3Speeds(model, depth, n_prompt, n_gen) for depth in contexts}
+        runs = []  # per round: {(depth, "pp" | "tg"): (k3 tok/s, llama.cpp tok/s)}
+        for _ in range(reps):  # the two alternate, so a drift of the machine's speed reaches both alike
+            theirs = llama_bench(bin_dir, gguf, contexts, n_prompt, n_gen, 1, args.threads, args.outtype)
+            run = {}
+            for depth, speeds in ours.items():
+                pp, tg = speeds.once()
+                run[depth, "pp"], run[depth, "tg"] = (pp, theirs[depth, "pp"]), (tg, theirs[depth, "tg"])
+            runs.append(run)
         rows = []
         for depth in contexts:
-            row_wait = CpuWait()
-            pp, tg = k3_speeds(model, depth, n_prompt, n_gen, reps)
-            rows.append([depth, f"{pp:,.1f}", f"{theirs[depth, 'pp']:,.1f}", f"{pp / theirs[depth, 'pp']:.2f}",
-                         f"{tg:,.2f}", f"{theirs[depth, 'tg']:,.2f}", f"{tg / theirs[depth, 'tg']:.2f}", str(row_wait)])
-            print(f"  k3 @ {depth}: done", flush=True)
+            cells = []
+            for kind, digits in (("pp", 1), ("tg", 2)):
+                pairs = [run[depth, kind] for run in runs]
+                cells += [f"{statistics.median(k for k, _ in pairs):,.{digits}f}",
+                          f"{statistics.median(t for _, t in pairs):,.{digits}f}",
+                          f"{statistics.median(k / t for k, t in pairs):.2f}"]
+            rows.append([depth, *cells])
 
     print(f"\nMachine: {machine()}")
     print(f"Model: {model_dir} ({n_params:.1f} M parameters); llama.cpp {src}, GGUF {args.outtype}; {args.threads} "
           f"threads each; pp = {n_prompt} tokens in one batch, tg = {n_gen} decoded tokens, on top of the context; "
-          f"median of {reps} repetitions after a warm-up; ratio = k3 / llama.cpp")
+          f"{reps} rounds, each one llama-bench run (its own warm-up first) then one k3 repetition per context (k3 "
+          f"warmed up before the first); medians over the rounds; ratio = median of the per-round k3 / llama.cpp")
     print(check + "\n")
     print_table(["context", "k3 prefill tok/s", "llama.cpp prefill tok/s", "ratio", "k3 decode tok/s",
-                 "llama.cpp decode tok/s", "ratio", "CPU wait (k3)"], rows, "rrrrrrrr")
+                 "llama.cpp decode tok/s", "ratio"], rows, "rrrrrrr")
     print(f"Total runtime: {time.perf_counter() - start:.0f} s; load average at end: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; CPU wait over the run: {cpu_wait} (PSI; "
           f"well above 0 % means other processes competed for the cores)")

@@ -130,7 +130,9 @@ class KimiDeltaAttention(KeepFP32):
         ctx = ctx or StepContext()
         fla = use_fla(self.config.kda_impl, x_BTD.device)
         if (T == 1 and cache is not None and ctx.valid_BT is None and not fla
-                and decode.serves(B, x_BTD, cache.conv_state_B3WP, cache.recurrent_state_BHKV)):
+                and decode.serves(B, x_BTD, cache.conv_state_B3WP, cache.recurrent_state_BHKV, self.A_log,
+                                  self.dt_bias, self.o_norm.weight, self.q_conv1d.weight, self.k_conv1d.weight,
+                                  self.v_conv1d.weight)):
             return self.o_proj(self.fused_step(x_BTD, cache))
         valid_BT1 = None if ctx.valid_BT is None else ctx.valid_BT[..., None]
         documents = ctx.document_ids_BT

@@ -88,7 +88,7 @@ class GatedMLA(nn.Module):
             observer.on_attention(self, x_BTD.detach(), ctx.document_ids_BT)
         T = x_BTD.shape[1]
         if (cache is not None and T == 1 and ctx.key_valid_BS is None and self.config.mla_decode == "absorbed"
-                and decode.serves(x_BTD.shape[0], x_BTD, cache.latent_BSL)):
+                and decode.serves(x_BTD.shape[0], x_BTD, cache.latent_BSL, self.kv_b_proj.weight)):
             return self.fused_step(x_BTD, cache, ctx.start)
         latent_BSL = self.compress_kv(x_BTD, ctx.start)
         if cache is not None:

@@ -30,7 +30,8 @@ def rms_norm(x_NC: torch.Tensor, weight_C: torch.Tensor | None, eps: float, mean
     """weight ⊙ x / sqrt(mean(x²) + ε) over the last axis (`mean=False`: Σ x², the L2 norm; no weight: no gain)."""
     if not serves(rows(x_NC), x_NC, *(() if weight_C is None else (weight_C,))):
         return None
-    return compiled.load("decode").rms_norm(x_NC.contiguous(), weight_C, eps, mean)
+    return compiled.load("decode").rms_norm(x_NC.contiguous(), None if weight_C is None else weight_C.contiguous(),
+                                            eps, mean)
 
 
 def attn_res_mix(sources: list[torch.Tensor], gain_D: torch.Tensor, query_D: torch.Tensor,
@@ -38,7 +39,8 @@ def attn_res_mix(sources: list[torch.Tensor], gain_D: torch.Tensor, query_D: tor
     """Σ_s softmax_s((V_s·(γ⊙w)) / sqrt(mean(V_s²) + ε)) V_s of same-shaped sources (k3.model.attn_res)."""
     if len({tuple(V.shape) for V in sources}) != 1 or not serves(rows(sources[0]), *sources, gain_D, query_D):
         return None
-    return compiled.load("decode").attn_res_mix([V.contiguous() for V in sources], gain_D, query_D, eps)
+    return compiled.load("decode").attn_res_mix([V.contiguous() for V in sources], gain_D.contiguous(),
+                                                query_D.contiguous(), eps)
 
 
 def kda_step(q_NP: torch.Tensor, k_NP: torch.Tensor, v_NP: torch.Tensor, conv_state_N3WP: torch.Tensor,
@@ -49,9 +51,10 @@ def kda_step(q_NP: torch.Tensor, k_NP: torch.Tensor, v_NP: torch.Tensor, conv_st
     in `conv_state` shifted in place), L2 norms, decay, β = σ(b), the delta-rule update of `state` in place, and
     the gated norm. Returns [N, P], the input of `o_proj`. The caller checks `serves` first (N rows, the caches)."""
     return compiled.load("decode").kda_step(
-        q_NP.contiguous(), k_NP.contiguous(), v_NP.contiguous(), conv_state_N3WP, *conv_weights, f_NP.contiguous(),
-        A_log_H, dt_bias_P, lower_bound is not None, 0.0 if lower_bound is None else lower_bound, b_NH.contiguous(),
-        state_NHKK, z_NP.contiguous(), o_norm_weight_K, eps)
+        q_NP.contiguous(), k_NP.contiguous(), v_NP.contiguous(), conv_state_N3WP,
+        *(w.contiguous() for w in conv_weights), f_NP.contiguous(), A_log_H.contiguous(), dt_bias_P.contiguous(),
+        lower_bound is not None, 0.0 if lower_bound is None else lower_bound, b_NH.contiguous(), state_NHKK,
+        z_NP.contiguous(), o_norm_weight_K.contiguous(), eps)
 
 
 def moe_routed(x_ND: torch.Tensor, z_NL: torch.Tensor, gate_weight_ED: torch.Tensor, bias_E: torch.Tensor,
@@ -63,9 +66,9 @@ def moe_routed(x_ND: torch.Tensor, z_NL: torch.Tensor, gate_weight_ED: torch.Ten
     if not serves(rows(x_ND), x_ND, z_NL, gate_weight_ED, bias_E, w1_EML, w3_EML, w2_ELM):
         return None
     beta1, beta2 = betas or (0.0, 0.0)
-    return compiled.load("decode").moe_routed(x_ND.contiguous(), z_NL.contiguous(), gate_weight_ED, bias_E, w1_EML,
-                                              w3_EML, w2_ELM, k, renormalize, scaling, betas is not None, beta1,
-                                              0.0 if beta2 is None else beta2)
+    weights = (w.contiguous() for w in (gate_weight_ED, bias_E, w1_EML, w3_EML, w2_ELM))
+    return compiled.load("decode").moe_routed(x_ND.contiguous(), z_NL.contiguous(), *weights, k, renormalize, scaling,
+                                              betas is not None, beta1, 0.0 if beta2 is None else beta2)
 
 
 def mla_step(q_BHQ: torch.Tensor, latent_BSL: torch.Tensor, length: int, kv_b_weight: torch.Tensor,
@@ -73,5 +76,6 @@ def mla_step(q_BHQ: torch.Tensor, latent_BSL: torch.Tensor, length: int, kv_b_we
     """One absorbed-MLA step (k3.model.mla, §4.4) of q = [q_nope ‖ q_pe] over the first `length` positions of the
     latent cache [B, capacity, C+R]: softmax([W_UKᵀ q_nope ‖ q_pe]·latent·scale), o = W_UV Σ p ĉ, times σ(gate)
     when given; [B, H·Vh]. The caller checks `serves` first."""
-    return compiled.load("decode").mla_step(q_BHQ.contiguous(), latent_BSL, length, kv_b_weight, nope_dim, v_dim,
+    return compiled.load("decode").mla_step(q_BHQ.contiguous(), latent_BSL, length, kv_b_weight.contiguous(),
+                                            nope_dim, v_dim,
                                             None if gate_BP is None else gate_BP.contiguous(), scale)

@@ -11,7 +11,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.cache import StepContext
 from k3.model.ffn import SiTUMLP, glu_activation
-from k3.ops import decode
+from k3.ops import compiled, decode
 from k3.ops.grouped_mm import grouped_mm
 from k3.ops.norm import RMSNorm
 from k3.ops.precision import KeepFP32, fp32
@@ -166,8 +166,7 @@ class StableLatentMoE(nn.Module):
         tokens, no autograd), else None. Not for observed (training) calls, the loop reference, group limits, or
         where a forward hook waits for the `gate` or `experts` module to run."""
         cfg = self.config
-        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (self.gate, self.experts))
-        if (hooked or (ctx is not None and ctx.observers) or cfg.moe_impl == "loop"
+        if (compiled.hooked(self.gate, self.experts) or (ctx is not None and ctx.observers) or cfg.moe_impl == "loop"
                 or (cfg.num_expert_group > 1 and cfg.topk_group < cfg.num_expert_group)):
             return None
         betas = None if cfg.hidden_act == "silu" else (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)

@@ -17,6 +17,7 @@ import time
 import warnings
 
 import torch
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 KERNELS = {  # name: source file, relative to this package
     "kda": os.path.join("kda", "cpu_kernel.cpp"),  # the chunkwise KDA core (k3.ops.kda.cpu, §3.12)
@@ -75,6 +76,18 @@ def serves(name: str, *tensors: torch.Tensor) -> bool:
         if type(t) not in _PLAIN_TYPES or t.dtype is not torch.float32 or not t.is_cpu:
             return False
     return load(name) is not None
+
+
+def rows(x: torch.Tensor) -> int:
+    """How many rows x has over its last axis (what `MAX_ROWS` counts)."""
+    return x.numel() // max(x.shape[-1], 1)
+
+
+def hooked(*modules: torch.nn.Module) -> bool:
+    """Whether a forward hook (global, or on one of `modules`) waits for a module call that a fused path would skip:
+    such calls keep their modules."""
+    return bool(_global_forward_hooks or _global_forward_pre_hooks
+                or any(m._forward_hooks or m._forward_pre_hooks for m in modules))
 
 
 def serves_few_rows(name: str, rows: int, *tensors: torch.Tensor) -> bool:

@@ -16,11 +16,6 @@ import torch
 from k3.ops import compiled
 
 
-def rows(x: torch.Tensor) -> int:
-    """How many rows x has over its last axis."""
-    return x.numel() // max(x.shape[-1], 1)
-
-
 def serves(rows: int, *tensors: torch.Tensor) -> bool:
     """Whether the decode kernel takes a call of `rows` rows on `tensors` (`compiled.serves_few_rows`)."""
     return compiled.serves_few_rows("decode", rows, *tensors)
@@ -28,7 +23,7 @@ def serves(rows: int, *tensors: torch.Tensor) -> bool:
 
 def rms_norm(x_NC: torch.Tensor, weight_C: torch.Tensor | None, eps: float, mean: bool = True) -> torch.Tensor | None:
     """weight ⊙ x / sqrt(mean(x²) + ε) over the last axis (`mean=False`: Σ x², the L2 norm; no weight: no gain)."""
-    if not serves(rows(x_NC), x_NC, *(() if weight_C is None else (weight_C,))):
+    if not serves(compiled.rows(x_NC), x_NC, *(() if weight_C is None else (weight_C,))):
         return None
     return compiled.load("decode").rms_norm(x_NC.contiguous(), None if weight_C is None else weight_C.contiguous(),
                                             eps, mean)
@@ -37,7 +32,8 @@ def rms_norm(x_NC: torch.Tensor, weight_C: torch.Tensor | None, eps: float, mean
 def attn_res_mix(sources: list[torch.Tensor], gain_D: torch.Tensor, query_D: torch.Tensor,
                  eps: float) -> torch.Tensor | None:
     """Σ_s softmax_s((V_s·(γ⊙w)) / sqrt(mean(V_s²) + ε)) V_s of same-shaped sources (k3.model.attn_res)."""
-    if len({tuple(V.shape) for V in sources}) != 1 or not serves(rows(sources[0]), *sources, gain_D, query_D):
+    same_shape = len({tuple(V.shape) for V in sources}) == 1
+    if not same_shape or not serves(compiled.rows(sources[0]), *sources, gain_D, query_D):
         return None
     return compiled.load("decode").attn_res_mix([V.contiguous() for V in sources], gain_D.contiguous(),
                                                 query_D.contiguous(), eps)
@@ -63,7 +59,7 @@ def moe_routed(x_ND: torch.Tensor, z_NL: torch.Tensor, gate_weight_ED: torch.Ten
     """Router and routed experts of a MoE layer (k3.model.moe): top-k of σ(x Wᵀ) + bias, weights from the unbiased
     scores (renormalised, scaled), r = Σ_e w_e · W2_e act(W1_e z, W3_e z) in fp32 [N, L]. `betas` = (β₁, β₂) for
     SiTU-GLU (β₂ None: uncapped), None for SwiGLU."""
-    if not serves(rows(x_ND), x_ND, z_NL, gate_weight_ED, bias_E, w1_EML, w3_EML, w2_ELM):
+    if not serves(compiled.rows(x_ND), x_ND, z_NL, gate_weight_ED, bias_E, w1_EML, w3_EML, w2_ELM):
         return None
     beta1, beta2 = betas or (0.0, 0.0)
     weights = (w.contiguous() for w in (gate_weight_ED, bias_E, w1_EML, w3_EML, w2_ELM))

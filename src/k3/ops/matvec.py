@@ -13,7 +13,6 @@ and with at most `MAX_ROWS` rows; every other call, and every call where the ker
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from k3.ops import compiled
 
@@ -27,7 +26,7 @@ def _applies(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
 
 def linear(x_NI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
     """x Wᵀ over the last axis of x (`F.linear` without bias)."""
-    if not _applies(x_NI, weight_OI, x_NI.numel() // max(x_NI.shape[-1], 1)):
+    if not _applies(x_NI, weight_OI, compiled.rows(x_NI)):
         return F.linear(x_NI, weight_OI)
     return compiled.load("matvec").linear(x_NI, weight_OI)  # any leading shape
 
@@ -37,9 +36,7 @@ def project(x: torch.Tensor, *layers: nn.Linear) -> list[torch.Tensor]:
     their weights where the kernel serves every product and no forward hook waits for a layer to be called, else
     each layer called."""
     weights = [layer.weight for layer in layers]
-    hooked = _global_forward_hooks or _global_forward_pre_hooks or any(
-        layer._forward_hooks or layer._forward_pre_hooks for layer in layers)
-    if hooked or not all(_applies(x, w, x.numel() // max(x.shape[-1], 1)) for w in weights):
+    if compiled.hooked(*layers) or not all(_applies(x, w, compiled.rows(x)) for w in weights):
         return [layer(x) for layer in layers]
     return compiled.load("matvec").linears(x, weights)
 

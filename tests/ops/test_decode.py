@@ -98,3 +98,28 @@ def test_other_calls_are_left_to_the_torch_ops(monkeypatch, case):
         if case != "shapes differ":
             assert decode.rms_norm(sources[0], None, 1e-5) is None
         assert decode.attn_res_mix(sources, norm.weight, proj.weight[0], 1e-5) is None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mla_step_matches_the_formula_over_long_caches(threads):
+    """`mla_step` over 300 of 320 cached positions (several 64-row blocks, split over the threads), 3 heads (a
+    partial block of eight), B = 2, distinct widths (N 5, R 6, C 20, Vh 7), with and without the gate: the
+    float64 formula softmax([W_UKᵀ q_nope ‖ q_pe]·latent·scale) → W_UV Σ p ĉ → σ(gate)."""
+    B, H, N, R, C, Vh, S = 2, 3, 5, 6, 20, 7, 300
+    q, latent = randn(B, 1, H, N + R, seed=20), randn(B, 320, C + R, seed=21)
+    kv_b, gate = randn(H * (N + Vh), C, seed=22, scale=0.3), randn(B, 1, H * Vh, seed=23)
+    W = kv_b.double().view(H, N + Vh, C)
+    q_lat = torch.cat([torch.einsum("bhn,hnc->bhc", q[:, 0, :, :N].double(), W[:, :N]), q[:, 0, :, N:].double()], -1)
+    p = torch.softmax(torch.einsum("bhl,bsl->bhs", q_lat, latent[:, :S].double()) * 0.25, -1)
+    o = torch.einsum("bhc,hvc->bhv", torch.einsum("bhs,bsc->bhc", p, latent[:, :S, :C].double()), W[:, N:])
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            plain = decode.mla_step(q, latent, S, kv_b, N, Vh, None, 0.25)
+            gated = decode.mla_step(q, latent, S, kv_b, N, Vh, gate, 0.25)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(plain.double(), o.reshape(B, H * Vh), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gated.double(), (o.reshape(B, H * Vh) * torch.sigmoid(gate[:, 0].double())),
+                               rtol=1e-5, atol=1e-6)

@@ -82,16 +82,23 @@ def test_counts_that_do_not_add_up_are_refused():
         matvec.expert_linear(randn(4, 20), randn(6, 30, 20), torch.tensor([1, 0, 2, 0, 0, 2]))
 
 
-def test_project_is_each_layer_in_one_pass_unless_hooked():
-    """`project` equals calling each layer (different output widths, one input); with a forward hook on any
-    layer, or with grad, every layer is called as a module."""
-    layers = [matvec.Linear(64, out) for out in (48, 7, 130)]
+@pytest.mark.parametrize("threads", [1, 2])
+def test_project_is_each_layer_in_one_pass_unless_hooked(threads):
+    """`project` equals calling each layer (different output widths, one input; with two threads the rows split
+    inside the third weight); with a forward hook on any layer, or with grad, every layer is called as a module."""
+    layers = [matvec.Linear(64, out) for out in (300, 7, 450)]
     with torch.no_grad():
         for i, layer in enumerate(layers):
             layer.weight.copy_(randn(*layer.weight.shape, seed=i))
     x = randn(2, 1, 64, seed=9)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            outputs = matvec.project(x, *layers)
+    finally:
+        torch.set_num_threads(previous)
     with torch.no_grad():
-        outputs = matvec.project(x, *layers)
         for y, layer in zip(outputs, layers):
             assert y.shape == (2, 1, layer.out_features)
             torch.testing.assert_close(y, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <vector>
 
 namespace {
@@ -18,8 +19,25 @@ void check(const torch::Tensor &t, const char *what) {
               " must be a contiguous fp32 CPU tensor");
 }
 
+void check(std::initializer_list<std::pair<const torch::Tensor *, const char *>> named) {
+  for (const auto &[t, what] : named) check(*t, what);
+}
+
 using k3::dot;
 using k3::sigmoid;
+
+// softmax over each of `rows` rows of `n` values, in place (vectorised: the rows are as long as the context)
+void softmax_rows(float *p, int64_t rows, int64_t n) {
+  using Vec = at::vec::Vectorized<float>;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (float *row = p + begin * n; row < p + end * n; row += n) {
+      const float top = at::vec::reduce_all<float>([](Vec &a, Vec &b) { return at::vec::maximum(a, b); }, row, n);
+      at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, row, row, n);
+      const float total = at::vec::reduce_all<float>([](Vec &a, Vec &b) { return a + b; }, row, n);
+      at::vec::map([total](Vec x) { return x / Vec(total); }, row, row, n);
+    }
+  });
+}
 
 // 1 / sqrt(Σ x² / n + ε): n = the width for RMS statistics, 1 for the L2 norm
 inline float inverse_norm(const float *x, int64_t width, float n, double eps) {
@@ -69,16 +87,14 @@ torch::Tensor attn_res_mix(std::vector<torch::Tensor> sources, torch::Tensor gam
   auto y = torch::zeros_like(sources[0]);
   float *yp = y.data_ptr<float>();
   for (int64_t n = 0; n < N; ++n) {
-    float top = -INFINITY, total = 0.f;
     for (int64_t s = 0; s < S; ++s) {
       const float *v = V[s] + n * D;
       p[s] = dot(v, q.data(), D) * inverse_norm(v, D, static_cast<float>(D), eps);
-      top = std::max(top, p[s]);
     }
-    for (int64_t s = 0; s < S; ++s) total += (p[s] = std::exp(p[s] - top));
+    softmax_rows(p.data(), 1, S);
     float *yr = yp + n * D;
     for (int64_t s = 0; s < S; ++s) {
-      const float *v = V[s] + n * D, ps = p[s] / total;
+      const float *v = V[s] + n * D, ps = p[s];
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) yr[d] += ps * v[d];
     }
@@ -144,11 +160,9 @@ torch::Tensor kda_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
                        torch::Tensor wk, torch::Tensor wv, torch::Tensor f, torch::Tensor A_log, torch::Tensor dt_bias,
                        bool bounded, double lower_bound, torch::Tensor b, torch::Tensor state, torch::Tensor z,
                        torch::Tensor o_norm_w, double eps) {
-  const std::vector<std::pair<const torch::Tensor *, const char *>> all = {
-      {&q, "q"}, {&k, "k"}, {&v, "v"}, {&conv_state, "conv_state"}, {&wq, "q_conv1d"}, {&wk, "k_conv1d"},
-      {&wv, "v_conv1d"}, {&f, "f"}, {&A_log, "A_log"}, {&dt_bias, "dt_bias"}, {&b, "b"}, {&state, "state"},
-      {&z, "z"}, {&o_norm_w, "o_norm"}};
-  for (const auto &[t, name] : all) check(*t, name);
+  check({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&conv_state, "conv_state"}, {&wq, "q_conv1d"}, {&wk, "k_conv1d"},
+         {&wv, "v_conv1d"}, {&f, "f"}, {&A_log, "A_log"}, {&dt_bias, "dt_bias"}, {&b, "b"}, {&state, "state"},
+         {&z, "z"}, {&o_norm_w, "o_norm"}});
   const int64_t B = state.size(0), H = state.size(1), K = state.size(2), P = H * K, W = wq.size(-1);
   TORCH_CHECK(state.dim() == 4 && state.size(3) == K, "decode kernel: the KDA state must be [B, H, K, K]");
   for (const auto *t : {&q, &k, &v, &f, &z})
@@ -170,7 +184,6 @@ torch::Tensor kda_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
   });
   return out;
 }
-
 
 // The routed half of a MoE layer for a few tokens (k3.model.moe, §6.3, §6.4): the sigmoid router on x [N, D]
 // (scores σ(x Wᵀ), top-k of scores + bias, weights from the unbiased scores, renormalised, scaled), then
@@ -210,10 +223,8 @@ std::vector<Expert> route(const float *x, const float *gate_w, const float *bias
 torch::Tensor moe_routed(torch::Tensor x, torch::Tensor z, torch::Tensor gate_w, torch::Tensor bias, torch::Tensor w1,
                          torch::Tensor w3, torch::Tensor w2, int64_t k, bool renormalize, double scaling, bool situ,
                          double beta1, double beta2) {
-  const std::vector<std::pair<const torch::Tensor *, const char *>> all = {
-      {&x, "x"}, {&z, "z"}, {&gate_w, "gate.weight"}, {&bias, "e_score_correction_bias"}, {&w1, "w1"},
-      {&w3, "w3"}, {&w2, "w2"}};
-  for (const auto &[t, name] : all) check(*t, name);
+  check({{&x, "x"}, {&z, "z"}, {&gate_w, "gate.weight"}, {&bias, "e_score_correction_bias"}, {&w1, "w1"},
+         {&w3, "w3"}, {&w2, "w2"}});
   const int64_t D = x.size(-1), N = x.numel() / D, E = w1.size(0), M = w1.size(1), L = w1.size(2);
   TORCH_CHECK(z.numel() == N * L && gate_w.numel() == E * D && bias.numel() == E && w3.sizes() == w1.sizes() &&
                   w2.size(0) == E && w2.size(1) == L && w2.size(2) == M && k >= 1 && k <= E,
@@ -251,19 +262,6 @@ torch::Tensor moe_routed(torch::Tensor x, torch::Tensor z, torch::Tensor gate_w,
   return out;
 }
 
-// softmax over each of `rows` rows of `n` values, in place (vectorised: the rows are as long as the context)
-void softmax_rows(float *p, int64_t rows, int64_t n) {
-  using Vec = at::vec::Vectorized<float>;
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (float *row = p + begin * n; row < p + end * n; row += n) {
-      const float top = at::vec::reduce_all<float>([](Vec &a, Vec &b) { return at::vec::maximum(a, b); }, row, n);
-      at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, row, row, n);
-      const float total = at::vec::reduce_all<float>([](Vec &a, Vec &b) { return a + b; }, row, n);
-      at::vec::map([total](Vec x) { return x / Vec(total); }, row, row, n);
-    }
-  });
-}
-
 constexpr int64_t kHeads = 8;  // heads whose sums one pass over the latent rows accumulates together
 constexpr int64_t kRows = 64;  // latent rows per block of the weighted sum
 
@@ -290,9 +288,7 @@ inline void dot_heads(const float *q, const float *row, int64_t n, float *out) {
 //   p = softmax_s([W_UKᵀ q_nope ‖ q_pe] · latent_s · scale),  o = W_UV Σ_s p_s ĉ_s,  times σ(gate) when given.
 torch::Tensor mla_step(torch::Tensor q, torch::Tensor latent, int64_t S, torch::Tensor kv_b, int64_t N, int64_t Vh,
                        c10::optional<torch::Tensor> gate, double scale) {
-  check(q, "q");
-  check(latent, "the latent cache");
-  check(kv_b, "kv_b_proj.weight");
+  check({{&q, "q"}, {&latent, "the latent cache"}, {&kv_b, "kv_b_proj.weight"}});
   const int64_t B = latent.size(0), cap = latent.size(1), Lat = latent.size(2), H = kv_b.size(0) / (N + Vh),
                 C = kv_b.size(1), R = Lat - C;
   TORCH_CHECK(S >= 1 && S <= cap && q.numel() == B * H * (N + R) && kv_b.size(0) == H * (N + Vh),

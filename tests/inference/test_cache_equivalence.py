@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import k3.model.kda as kda_module
+from k3.model import fused_layer
 from k3.config import K3Config
 from k3.model.cache import KDACache, MLACache, step_context
 from k3.model import K3ForCausalLM
@@ -130,7 +131,9 @@ def test_cache_copy_continues_like_the_original(tiny_model):
 # ------------------------------------------------------------------------------ which path runs when
 def test_which_kda_and_mla_paths_run(tiny_model, monkeypatch):
     """Cached 1-token calls: recurrent KDA; longer: chunk. Cached calls up to `absorbed_max_tokens` (70 at the
-    §12.2 dims): absorbed MLA (or expanded, by mla_decode); longer cached calls and uncached calls: expanded."""
+    §12.2 dims): absorbed MLA (or expanded, by mla_decode); longer cached calls and uncached calls: expanded.
+    A cached one-token fp32 call runs each layer as one compiled call (`k3.model.fused_layer`, recorded as
+    "layer") where it implements the layer's form, else the paths above."""
     calls: list[tuple[str, int]] = []
 
     def spy(name, fn, t_axis):
@@ -150,6 +153,15 @@ def test_which_kda_and_mla_paths_run(tiny_model, monkeypatch):
         calls.append(("absorbed", 1)), fused_mla(self, x_BTD, cache, start))[1])
     monkeypatch.setattr(GatedMLA, "attend_absorbed", spy("absorbed", absorbed, 1))
     monkeypatch.setattr(GatedMLA, "attend_expanded", spy("expanded", expanded, 1))
+    layer_step = fused_layer.layer_step
+
+    def layer_spy(*args):
+        out = layer_step(*args)
+        if out is not None:
+            calls.append(("layer", 1))
+        return out
+
+    monkeypatch.setattr(fused_layer, "layer_step", layer_spy)
     model = tiny_model(seed=6)
     n_kda, n_mla = len(kda_layers(model)), len(mla_layers(model))
     assert model.model.layers[mla_layers(model)[0]].self_attn.absorbed_max_tokens == 20 * (16 + 12) // (2 * 4)
@@ -164,7 +176,11 @@ def test_which_kda_and_mla_paths_run(tiny_model, monkeypatch):
     model(ids[:, :8], cache=cache)
     assert kinds() == [("absorbed", 8), ("chunk", 8)]
     model(ids[:, 8:9], cache=cache)
+    assert kinds() == [("layer", 1)]
+    monkeypatch.setattr(fused_layer, "layer_step", lambda *args: None)  # each module's own one-token path
+    model(ids[:, 8:9], cache=copy.deepcopy(cache))
     assert kinds() == [("absorbed", 1), ("recurrent", 1)]
+    monkeypatch.setattr(fused_layer, "layer_step", layer_spy)
     model(ids[:, 9:], cache=cache)  # 71 tokens: past the crossover
     assert kinds() == [("chunk", 71), ("expanded", 71)]
     model(ids[:, :1])  # no cache: a one-token forward is a (trivial) prefill
@@ -174,7 +190,7 @@ def test_which_kda_and_mla_paths_run(tiny_model, monkeypatch):
     cache = model.make_cache(2)
     model(ids[:, :1], cache=cache)  # a one-token *prompt* is a decode step too
     assert len(calls) == n_kda + n_mla
-    assert kinds() == [("expanded", 1), ("recurrent", 1)]
+    assert kinds() == [("expanded", 1), ("layer", 1)]  # the compiled layer step is absorbed MLA only
 
 
 # ------------------------------------------------------------------------------ absorbed vs expanded MLA

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from k3.config import K3Config
+from k3.model import fused_layer
 from k3.model.attn_res import attn_res_mix
 from k3.model.cache import K3Cache, KDACache, MLACache, StepContext, step_context
 from k3.model.ffn import SiTUMLP
@@ -68,6 +69,9 @@ class K3DecoderLayer(nn.Module):
 
         Without Block AttnRes (K2's form, §14.3) `cur` is the residual stream x and `bank` stays empty:
         x ← x + attn(norm(x)), then x ← x + ffn(norm(x))."""
+        fused = fused_layer.layer_step(self, cur_BTD, bank, cache, ctx)  # one compiled call when decoding
+        if fused is not None:
+            return fused
         if not self.use_block_attn_res:
             x_BTD = cur_BTD + self.self_attn(self.input_layernorm(cur_BTD), cache, ctx)
             return x_BTD + self.ffn(self.post_attention_layernorm(x_BTD), ctx), bank

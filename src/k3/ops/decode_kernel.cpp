@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include "kernel_math.h"
+#include "matvec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -185,6 +186,23 @@ torch::Tensor kda_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
   return out;
 }
 
+// The gated activation of the FFNs (k3.model.ffn.glu_activation): SiTU-GLU β₁tanh(g/β₁)σ(g)·β₂tanh(u/β₂) (β₂ ≤ 0:
+// u uncapped), or SwiGLU silu(g)·u
+struct Activation {
+  bool situ;
+  float beta1, beta2;
+};
+
+// h = act(g, u) over n values, in place of g
+void glu(float *g, const float *u, int64_t n, const Activation &act) {
+  using Vec = at::vec::Vectorized<float>;
+  for (int64_t i = 0; i < n; i += Vec::size()) {
+    const int64_t m = std::min<int64_t>(Vec::size(), n - i);
+    const Vec gv = Vec::loadu(g + i, m), uv = Vec::loadu(u + i, m);
+    (act.situ ? k3::situ_glu(gv, uv, act.beta1, act.beta2) : gv / (Vec(1.f) + gv.neg().exp()) * uv).store(g + i, m);
+  }
+}
+
 // The routed half of a MoE layer for a few tokens (k3.model.moe, §6.3, §6.4): the sigmoid router on x [N, D]
 // (scores σ(x Wᵀ), top-k of scores + bias, weights from the unbiased scores, renormalised, scaled), then
 // r = Σ_e w_e · W2_e act(W1_e z, W3_e z) over the chosen experts in ascending id (the reference's order), on the
@@ -243,12 +261,7 @@ torch::Tensor moe_routed(torch::Tensor x, torch::Tensor z, torch::Tensor gate_w,
       u[r] = dot(w3p + row * L, zp + c.row * L, L);
     }
   });
-  using Vec = at::vec::Vectorized<float>;
-  for (int64_t i = 0; i < A * M; i += Vec::size()) {  // h = act(g, u), in place of g
-    const int64_t n = std::min<int64_t>(Vec::size(), A * M - i);
-    const Vec g = Vec::loadu(h.data() + i, n), up = Vec::loadu(u.data() + i, n);
-    (situ ? k3::situ_glu(g, up, beta1, beta2) : g / (Vec(1.f) + g.neg().exp()) * up).store(h.data() + i, n);
-  }
+  glu(h.data(), u.data(), A * M, {situ, static_cast<float>(beta1), static_cast<float>(beta2)});
   at::parallel_for(0, A * L, 16, [&](int64_t begin, int64_t end) {  // down rows
     for (int64_t r = begin; r < end; ++r) {
       const Expert &c = chosen[r / L];
@@ -262,8 +275,9 @@ torch::Tensor moe_routed(torch::Tensor x, torch::Tensor z, torch::Tensor gate_w,
   return out;
 }
 
-constexpr int64_t kHeads = 8;  // heads whose sums one pass over the latent rows accumulates together
-constexpr int64_t kRows = 64;  // latent rows per block of the weighted sum
+constexpr int64_t kHeads = 8;   // heads whose sums one pass over the latent rows accumulates together
+constexpr int64_t kBlock = 16;  // latent rows per block: their scores, then their weighted sum, while in L1
+constexpr int64_t kSplit = 256;  // latent rows per task; the tasks' partial softmaxes are merged at the end
 
 // out[h] = q[h] · row for kHeads query rows q [kHeads, n]: the row is loaded once per vector for all of them
 inline void dot_heads(const float *q, const float *row, int64_t n, float *out) {
@@ -282,15 +296,64 @@ inline void dot_heads(const float *q, const float *row, int64_t n, float *out) {
   }
 }
 
+// The running softmax of every head over some latent rows (online softmax): the largest score m, Σ_s e^(score_s − m)
+// and o = Σ_s e^(score_s − m) ĉ_s; heads padded to whole blocks of kHeads
+struct RunningSoftmax {
+  int64_t heads, C;
+  float *max, *total, *o;  // [heads], [heads], [heads, C]
+
+  // take the rows [first, first + n) of one sequence's latent (row stride L), n ≤ kBlock, for the queries q_lat
+  // [heads, L]
+  void take(const float *q_lat, const float *latent, int64_t L, int64_t n, float scale) {
+    using Vec = at::vec::Vectorized<float>;
+    static_assert(kBlock % Vec::size() == 0, "a block of scores is whole vectors");
+    float p[kHeads * kBlock];  // scores, then their weights e^(score − m), of a block of kHeads heads
+    for (int64_t h0 = 0; h0 < heads; h0 += kHeads) {
+      for (int64_t r = 0; r < kBlock; ++r) {
+        float sc[kHeads];
+        if (r < n) dot_heads(q_lat + h0 * L, latent + r * L, L, sc);
+        for (int64_t h = 0; h < kHeads; ++h) p[h * kBlock + r] = r < n ? sc[h] * scale : -INFINITY;
+      }
+      for (int64_t h = h0; h < h0 + kHeads; ++h) {  // rescale the sums to the new maximum, add the block's weights
+        float *ph = p + (h - h0) * kBlock;
+        const float top = std::max(max[h], *std::max_element(ph, ph + kBlock));
+        Vec sum(0.f);
+        for (int64_t r = 0; r < kBlock; r += Vec::size()) {
+          const Vec e = (Vec::loadu(ph + r) - Vec(top)).exp();
+          e.store(ph + r);
+          sum = sum + e;
+        }
+        const float alpha = top == max[h] ? 1.f : std::exp(max[h] - top);
+        total[h] = total[h] * alpha + at::vec::vec_reduce_all<float>([](Vec &x, Vec &y) { return x + y; }, sum);
+        max[h] = top;
+        if (alpha != 1.f) at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, o + h * C, o + h * C, C);
+      }
+      for (int64_t c0 = 0; c0 < C; c0 += Vec::size()) {  // o += Σ_r p_r ĉ_r, kHeads sums in registers
+        const int64_t m = std::min<int64_t>(Vec::size(), C - c0);
+        Vec acc[kHeads];
+        for (int64_t h = 0; h < kHeads; ++h) acc[h] = Vec::loadu(o + (h0 + h) * C + c0, m);
+        for (int64_t r = 0; r < n; ++r) {
+          const Vec row = Vec::loadu(latent + r * L + c0, m);
+          for (int64_t h = 0; h < kHeads; ++h) acc[h] = at::vec::fmadd(Vec(p[h * kBlock + r]), row, acc[h]);
+        }
+        for (int64_t h = 0; h < kHeads; ++h) acc[h].store(o + (h0 + h) * C + c0, m);
+      }
+    }
+  }
+};
+
 // One absorbed-MLA step over a cache (k3.model.mla, §4.4), for each sequence b and head h with q = [q_nope ‖ q_pe]
 // [B, H, N+R], the latent cache [B, capacity, C+R] of which the first S positions are read, and kv_b_proj's weight
 // [H·(N+Vh), C] (W_UK: the first N rows of each head, W_UV: the next Vh):
 //   p = softmax_s([W_UKᵀ q_nope ‖ q_pe] · latent_s · scale),  o = W_UV Σ_s p_s ĉ_s,  times σ(gate) when given.
+// One pass over the latent: the positions are split into tasks of kSplit rows, each keeps a running softmax of every
+// head over its rows (scores and weighted sum of a block of kBlock rows while they are in L1), and the tasks' sums
+// are merged at the end (the softmax of the whole row, rescaled to its maximum).
 torch::Tensor mla_step(torch::Tensor q, torch::Tensor latent, int64_t S, torch::Tensor kv_b, int64_t N, int64_t Vh,
                        c10::optional<torch::Tensor> gate, double scale) {
   check({{&q, "q"}, {&latent, "the latent cache"}, {&kv_b, "kv_b_proj.weight"}});
-  const int64_t B = latent.size(0), cap = latent.size(1), Lat = latent.size(2), H = kv_b.size(0) / (N + Vh),
-                C = kv_b.size(1), R = Lat - C;
+  const int64_t B = latent.size(0), cap = latent.size(1), L = latent.size(2), H = kv_b.size(0) / (N + Vh),
+                C = kv_b.size(1), R = L - C;
   TORCH_CHECK(S >= 1 && S <= cap && q.numel() == B * H * (N + R) && kv_b.size(0) == H * (N + Vh),
               "decode kernel: MLA shapes disagree");
   const float *g = nullptr;
@@ -302,69 +365,180 @@ torch::Tensor mla_step(torch::Tensor q, torch::Tensor latent, int64_t S, torch::
   auto out = torch::empty({B, H * Vh}, q.options());
   const float *qp = q.data_ptr<float>(), *lp = latent.data_ptr<float>(), *wp = kv_b.data_ptr<float>();
   float *op = out.data_ptr<float>();
-  const int64_t H_pad = (H + kHeads - 1) / kHeads * kHeads;  // q_lat padded with zero heads to whole blocks
-  std::vector<float> q_lat(B * H_pad * Lat, 0.f), scores(B * H_pad * S, 0.f);  // padded heads: p = 0
+  const int64_t Hp = (H + kHeads - 1) / kHeads * kHeads;  // q_lat padded with zero heads to whole blocks
+  std::vector<float> q_lat(B * Hp * L, 0.f);
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {  // the query in latent space: [W_UKᵀ q_nope ‖ q_pe]
     for (int64_t bh = begin; bh < end; ++bh) {
       const float *qh = qp + bh * (N + R), *w_uk = wp + (bh % H) * (N + Vh) * C;
-      float *ql = q_lat.data() + ((bh / H) * H_pad + bh % H) * Lat;
+      float *ql = q_lat.data() + ((bh / H) * Hp + bh % H) * L;
       for (int64_t n = 0; n < N; ++n)
 #pragma omp simd
         for (int64_t c = 0; c < C; ++c) ql[c] += qh[n] * w_uk[n * C + c];
       for (int64_t r = 0; r < R; ++r) ql[C + r] = qh[N + r];
     }
   });
-  // scores = q_lat · latent_s · scale: each latent row read once for every block of kHeads heads, whose partial
-  // sums stay in registers
-  at::parallel_for(0, B * S, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t bs = begin; bs < end; ++bs) {
-      const int64_t b = bs / S, s = bs % S;
-      const float *row = lp + (b * cap + s) * Lat;
-      for (int64_t h0 = 0; h0 < H; h0 += kHeads) {
-        float sc[kHeads];
-        dot_heads(q_lat.data() + (b * H_pad + h0) * Lat, row, Lat, sc);
-        for (int64_t h = h0; h < std::min(H, h0 + kHeads); ++h) scores[(b * H_pad + h) * S + s] = sc[h - h0] * scale;
+  const int64_t splits = (S + kSplit - 1) / kSplit, tasks = B * splits;
+  std::vector<float> max(tasks * Hp, -INFINITY), total(tasks * Hp, 0.f), o_task(tasks * Hp * C, 0.f);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / splits, first = (t % splits) * kSplit, last = std::min(S, first + kSplit);
+      RunningSoftmax run{Hp, C, max.data() + t * Hp, total.data() + t * Hp, o_task.data() + t * Hp * C};
+      for (int64_t s = first; s < last; s += kBlock)
+        run.take(q_lat.data() + b * Hp * L, lp + (b * cap + s) * L, L, std::min(kBlock, last - s),
+                 static_cast<float>(scale));
+    }
+  });
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {  // merge the tasks; o = W_UV o_lat, gated
+    std::vector<float> o_lat(C);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      float top = -INFINITY, sum = 0.f;
+      for (int64_t t = b * splits; t < (b + 1) * splits; ++t) top = std::max(top, max[t * Hp + h]);
+      std::fill(o_lat.begin(), o_lat.end(), 0.f);
+      for (int64_t t = b * splits; t < (b + 1) * splits; ++t) {
+        const float w = std::exp(max[t * Hp + h] - top);
+        sum += w * total[t * Hp + h];
+        const float *ot = o_task.data() + (t * Hp + h) * C;
+        for (int64_t c = 0; c < C; ++c) o_lat[c] += w * ot[c];
       }
-    }
-  });
-  for (int64_t b = 0; b < B; ++b) softmax_rows(scores.data() + b * H_pad * S, H, S);
-  // o_lat = Σ_s p_s ĉ_s for every head: blocks of kRows rows of one sequence; for each block of kHeads heads and
-  // each vector of channels the kHeads sums stay in registers over the block; one partial sum per thread
-  const int64_t BHC = B * H_pad * C;
-  std::vector<float> o_lat(at::get_num_threads() * BHC, 0.f);
-  at::parallel_for(0, B * S, kRows, [&](int64_t begin, int64_t end) {
-    using Vec = at::vec::Vectorized<float>;
-    float *acc_thread = o_lat.data() + at::get_thread_num() * BHC;
-    for (int64_t first = begin; first < end;) {
-      const int64_t b = first / S, last = std::min({end, first + kRows, (b + 1) * S});
-      for (int64_t h0 = 0; h0 < H; h0 += kHeads)
-        for (int64_t c0 = 0; c0 < C; c0 += Vec::size()) {
-          const int64_t n = std::min<int64_t>(Vec::size(), C - c0);
-          Vec acc[kHeads];
-          for (auto &a : acc) a = Vec(0.f);
-          for (int64_t bs = first; bs < last; ++bs) {
-            const Vec r = Vec::loadu(lp + (b * cap + bs % S) * Lat + c0, n);
-            for (int64_t h = 0; h < kHeads; ++h)
-              acc[h] = at::vec::fmadd(Vec(scores[(b * H_pad + h0 + h) * S + bs % S]), r, acc[h]);
-          }
-          for (int64_t h = 0; h < kHeads; ++h) {
-            float *o = acc_thread + (b * H_pad + h0 + h) * C + c0;
-            (Vec::loadu(o, n) + acc[h]).store(o, n);
-          }
-        }
-      first = last;
-    }
-  });
-  for (int64_t t = 1; t < at::get_num_threads(); ++t)
-    for (int64_t i = 0; i < BHC; ++i) o_lat[i] += o_lat[t * BHC + i];
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {  // o = W_UV o_lat, gated
-    for (int64_t bh = begin; bh < end; ++bh)
       for (int64_t v = 0; v < Vh; ++v) {
-        const float o = dot(wp + ((bh % H) * (N + Vh) + N + v) * C, o_lat.data() + ((bh / H) * H_pad + bh % H) * C, C);
+        const float o = dot(wp + (h * (N + Vh) + N + v) * C, o_lat.data(), C) / sum;
         op[bh * Vh + v] = g ? o * sigmoid(g[bh * Vh + v]) : o;
       }
+    }
   });
   return out;
+}
+
+// ---- A whole decoder layer of a one-token step (k3.model.fused_layer, docs/architecture.md §0.6) ----
+
+// The tensors of a decoder layer by their checkpoint names relative to the layer ("self_attn.q_proj.weight", …)
+class Weights {
+ public:
+  explicit Weights(py::dict tensors) : tensors_(std::move(tensors)) {}
+  bool has(const std::string &name) const { return tensors_.contains(name); }
+  torch::Tensor operator()(const std::string &name) const {
+    TORCH_CHECK(has(name), "decode kernel: the layer has no tensor ", name);
+    auto t = tensors_[py::str(name)].cast<torch::Tensor>().contiguous();
+    check(t, name.c_str());
+    return t;
+  }
+
+ private:
+  py::dict tensors_;
+};
+
+// The numbers of the configuration a layer step reads (k3.model.fused_layer.options names them)
+struct Options {
+  double eps, lora_eps, scale, scaling;
+  c10::optional<double> lower_bound;  // KDA's bounded gate; none: the softplus form
+  int64_t nope_dim, v_dim, top_k;
+  bool renormalize;
+  Activation act;
+
+  explicit Options(const py::dict &d)
+      : eps(d["eps"].cast<double>()), lora_eps(d["lora_eps"].cast<double>()), scale(d["scale"].cast<double>()),
+        scaling(d["scaling"].cast<double>()), lower_bound(d["lower_bound"].cast<c10::optional<double>>()),
+        nope_dim(d["nope_dim"].cast<int64_t>()), v_dim(d["v_dim"].cast<int64_t>()), top_k(d["top_k"].cast<int64_t>()),
+        renormalize(d["renormalize"].cast<bool>()),
+        act{d["situ"].cast<bool>(), d["beta1"].cast<float>(), d["beta2"].cast<float>()} {}
+};
+
+// KDA (k3.model.kda.KimiDeltaAttention.fused_step): the six projections of x in one pass, the step, o_proj
+torch::Tensor kda_mixer(const torch::Tensor &x, const Weights &w, const Options &o, const torch::Tensor &conv_state,
+                        const torch::Tensor &state) {
+  const bool full_rank = w.has("self_attn.g_proj.weight");
+  auto p = k3::linears(x, {w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight"),
+                           w("self_attn.f_a_proj.weight"), w("self_attn.b_proj.weight"),
+                           w(full_rank ? "self_attn.g_proj.weight" : "self_attn.g_a_proj.weight")});
+  const auto f = k3::linear(p[3], w("self_attn.f_b_proj.weight"));
+  const auto z = full_rank ? p[5] : k3::linear(p[5], w("self_attn.g_b_proj.weight"));
+  const auto out = kda_step(p[0], p[1], p[2], conv_state, w("self_attn.q_conv1d.weight"),
+                            w("self_attn.k_conv1d.weight"), w("self_attn.v_conv1d.weight"), f, w("self_attn.A_log"),
+                            w("self_attn.dt_bias"), o.lower_bound.has_value(), o.lower_bound.value_or(0.0), p[4],
+                            state, z, w("self_attn.o_norm.weight"), o.eps);
+  return k3::linear(out, w("self_attn.o_proj.weight"));
+}
+
+// Gated MLA, absorbed (k3.model.mla.GatedMLA.fused_step, NoPE form): the latent [RMSNorm(c) ‖ k_pe] of this token
+// written at `start`, the query from c_q = RMSNorm(x W_qaᵀ), the step over the first start + 1 positions, o_proj
+torch::Tensor mla_mixer(const torch::Tensor &x, const Weights &w, const Options &o, const torch::Tensor &latent,
+                        int64_t start) {
+  const bool gated = w.has("self_attn.g_proj.weight");
+  std::vector<torch::Tensor> weights{w("self_attn.q_a_proj.weight"), w("self_attn.kv_a_proj_with_mqa.weight")};
+  if (gated) weights.push_back(w("self_attn.g_proj.weight"));
+  const auto p = k3::linears(x, weights);
+  const auto c_norm = w("self_attn.kv_a_layernorm.weight");
+  const int64_t B = latent.size(0), cap = latent.size(1), L = latent.size(2), C = c_norm.numel();
+  TORCH_CHECK(start >= 0 && start < cap && p[1].numel() == B * L, "decode kernel: MLA latent shapes disagree");
+  const auto kv = p[1].view({B, L});
+  const auto c = rms_norm(kv.narrow(1, 0, C).contiguous(), c_norm, o.lora_eps, true);
+  const float *kvp = kv.data_ptr<float>(), *cp = c.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    float *row = latent.data_ptr<float>() + (b * cap + start) * L;
+    std::copy(cp + b * C, cp + (b + 1) * C, row);
+    std::copy(kvp + b * L + C, kvp + (b + 1) * L, row + C);
+  }
+  const auto q = k3::linear(rms_norm(p[0], w("self_attn.q_a_layernorm.weight"), o.lora_eps, true),
+                            w("self_attn.q_b_proj.weight"));
+  const auto out = mla_step(q, latent, start + 1, w("self_attn.kv_b_proj.weight"), o.nope_dim, o.v_dim,
+                            gated ? c10::optional<torch::Tensor>(p[2]) : c10::nullopt, o.scale);
+  return k3::linear(out, w("self_attn.o_proj.weight"));
+}
+
+// down(act(gate, up)) of a SiTU MLP whose gate and up products are done (k3.model.ffn.SiTUMLP)
+torch::Tensor mlp_down(torch::Tensor gate, const torch::Tensor &up, const torch::Tensor &down, const Activation &act) {
+  glu(gate.data_ptr<float>(), up.data_ptr<float>(), gate.numel(), act);
+  return k3::linear(gate, down);
+}
+
+// Stable LatentMoE (k3.model.moe.StableLatentMoE): the down projection to the latent and the shared experts' gate and
+// up products in one pass, router and routed experts, the latent norm, the up projection, plus the shared experts
+torch::Tensor moe(const torch::Tensor &x, const Weights &w, const Options &o) {
+  const bool shared = w.has("block_sparse_moe.shared_experts.gate_proj.weight");
+  std::vector<torch::Tensor> weights{w("block_sparse_moe.routed_expert_down_proj.weight")};
+  if (shared) {
+    weights.push_back(w("block_sparse_moe.shared_experts.gate_proj.weight"));
+    weights.push_back(w("block_sparse_moe.shared_experts.up_proj.weight"));
+  }
+  const auto p = k3::linears(x, weights);
+  auto r = moe_routed(x, p[0], w("block_sparse_moe.gate.weight"), w("block_sparse_moe.gate.e_score_correction_bias"),
+                      w("block_sparse_moe.experts.w1"), w("block_sparse_moe.experts.w3"),
+                      w("block_sparse_moe.experts.w2"), o.top_k, o.renormalize, o.scaling, o.act.situ, o.act.beta1,
+                      o.act.beta2);
+  if (w.has("block_sparse_moe.routed_expert_norm.weight"))
+    r = rms_norm(r, w("block_sparse_moe.routed_expert_norm.weight"), o.eps, true);
+  auto y = k3::linear(r, w("block_sparse_moe.routed_expert_up_proj.weight")).view_as(x);
+  if (shared) y += mlp_down(p[1], p[2], w("block_sparse_moe.shared_experts.down_proj.weight"), o.act);
+  return y;
+}
+
+// One decoder layer of §5.3 for one token per sequence (k3.model.k3.K3DecoderLayer.forward): the AttnRes mix of
+// bank + [cur], input norm, KDA or MLA, the mix of the (new) bank + [prefix], post norm, dense FFN or MoE. `cur`
+// [B, 1, D] is the block's partial sum (the embedding before layer 0); a layer that starts a block banks it first
+// (the caller appends it to its bank). `cache`: [conv_state, state] (KDA) or [latent] (MLA), updated in place at
+// position `start`. Returns the new partial sum.
+torch::Tensor layer_step(std::vector<torch::Tensor> bank, torch::Tensor cur, bool starts_block, py::dict tensors,
+                         py::dict options, std::vector<torch::Tensor> cache, int64_t start) {
+  const Weights w(std::move(tensors));
+  const Options o(options);
+  cur = cur.contiguous();
+  bank.push_back(cur);
+  const auto h = bank.size() == 1 ? cur
+                                  : attn_res_mix(bank, w("self_attention_res_norm.weight"),
+                                                 w("self_attention_res_proj.weight"), o.eps);
+  if (!starts_block) bank.pop_back();  // a layer that starts a block keeps cur among the sources
+  const auto x = rms_norm(h, w("input_layernorm.weight"), o.eps, true);
+  const bool kda = w.has("self_attn.A_log");
+  TORCH_CHECK(cache.size() == (kda ? 2u : 1u), "decode kernel: a KDA layer takes two caches, an MLA layer one");
+  const auto a = (kda ? kda_mixer(x, w, o, cache[0], cache[1]) : mla_mixer(x, w, o, cache[0], start)).view_as(cur);
+  const auto prefix = starts_block ? a : cur + a;
+  bank.push_back(prefix);
+  const auto x2 = rms_norm(attn_res_mix(bank, w("mlp_res_norm.weight"), w("mlp_res_proj.weight"), o.eps),
+                           w("post_attention_layernorm.weight"), o.eps, true);
+  if (!w.has("mlp.gate_proj.weight")) return prefix + moe(x2, w, o);
+  const auto gu = k3::linears(x2, {w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")});
+  return prefix + mlp_down(gu[0], gu[1], w("mlp.down_proj.weight"), o.act);
 }
 
 }  // namespace
@@ -375,4 +549,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kda_step", &kda_step, "one fused KDA decode step after the projections (fp32)");
   m.def("moe_routed", &moe_routed, "router and routed experts of a MoE layer for a few tokens (fp32)");
   m.def("mla_step", &mla_step, "one absorbed-MLA step over the latent cache (fp32)");
+  m.def("layer_step", &layer_step, "one decoder layer for one token per sequence (fp32)");
 }

@@ -1,0 +1,62 @@
+// Few-row products of decoding, shared by the compiled kernels (k3/ops/matvec.py, k3/ops/decode.py): y = x Wᵀ for x
+// with a handful of rows, the regime where a token's step reads every weight once and the time is the memory
+// traffic. Each weight row is read once, its dot products with all rows of x taken while it is in cache; output
+// rows are split over the threads. fp32 only.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include "kernel_math.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace k3 {
+
+// the fewest output rows worth a task of their own: 64 KiB of weights (a smaller matrix is read by one thread,
+// cheaper than waking the others)
+inline int64_t grain(int64_t in) { return std::max<int64_t>(16, (64 << 10) / (4 * std::max<int64_t>(in, 1))); }
+
+inline void check_product(const torch::Tensor &x, const torch::Tensor &W) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && W.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                  W.is_contiguous() && x.device().is_cpu() && W.device().is_cpu(),
+              "matvec kernel: contiguous fp32 CPU tensors");
+  TORCH_CHECK(x.size(-1) == W.size(-1), "matvec kernel: x and W disagree on the input width");
+}
+
+// x [..., in] and weights W_k [out_k, in] -> [x W_kᵀ for every k], each [..., out_k]: one pass over all the
+// weights' rows, split over the threads (the projections of one input: fewer, larger parallel regions stream
+// memory faster)
+inline std::vector<torch::Tensor> linears(torch::Tensor x, const std::vector<torch::Tensor> &Ws) {
+  x = x.contiguous();
+  std::vector<int64_t> first{0};  // the first row of each weight in the concatenated rows
+  std::vector<torch::Tensor> ys;
+  for (const auto &W : Ws) {
+    check_product(x, W);
+    auto sizes = x.sizes().vec();
+    sizes.back() = W.size(0);
+    ys.push_back(torch::empty(sizes, x.options()));
+    first.push_back(first.back() + W.size(0));
+  }
+  const int64_t in = x.size(-1), N = x.numel() / in;
+  const float *xp = x.data_ptr<float>();
+  std::vector<const float *> wp;
+  std::vector<float *> yp;
+  for (size_t k = 0; k < Ws.size(); ++k) wp.push_back(Ws[k].data_ptr<float>()), yp.push_back(ys[k].data_ptr<float>());
+  at::parallel_for(0, first.back(), grain(in), [&](int64_t begin, int64_t end) {
+    size_t k = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+    for (int64_t r = begin; r < end; ++r) {
+      while (r >= first[k + 1]) ++k;
+      const int64_t i = r - first[k], out = first[k + 1] - first[k];
+      for (int64_t a = 0; a < N; ++a) yp[k][a * out + i] = dot(wp[k] + i * in, xp + a * in, in);
+    }
+  });
+  return ys;
+}
+
+// x [..., in] (N rows), W [out, in] -> y [..., out], y[a, i] = Σ_j W[i, j] x[a, j]
+inline torch::Tensor linear(const torch::Tensor &x, const torch::Tensor &W) { return linears(x, {W})[0]; }
+
+}  // namespace k3

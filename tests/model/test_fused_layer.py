@@ -1,0 +1,158 @@
+"""The whole-layer decode step (`k3.model.fused_layer`): one compiled call per decoder layer gives the logits and
+caches of the modules' path, and leaves every call it does not implement to the modules."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from k3.model import fused_layer
+from k3.ops import compiled
+
+pytestmark = pytest.mark.skipif(compiled.build("decode")[0] is None,
+                                reason="the compiled decode kernel could not be built here")
+
+FORMS = {  # the K3 form and its switches the compiled step implements
+    "k3": {},
+    "softplus gate, SwiGLU": dict(gate_lower_bound=None, hidden_act="silu"),
+    "low-rank KDA gate, ungated MLA, no latent norm": dict(use_full_rank_gate=False, mla_use_output_gate=False,
+                                                          latent_moe_use_norm=False),
+    "no shared experts, uncapped, no renormalisation": dict(num_shared_experts=0, activation_situ_linear_beta=None,
+                                                            moe_renormalize=False),
+}
+
+
+def spy_layer_steps(monkeypatch) -> list[int]:
+    """Record the index of each layer the compiled step served."""
+    served, step = [], fused_layer.layer_step
+
+    def spy(layer, *args):
+        out = step(layer, *args)
+        if out is not None:
+            served.append(layer.layer_idx)
+        return out
+
+    monkeypatch.setattr(fused_layer, "layer_step", spy)
+    return served
+
+
+def decode(model, ids, steps: int, mask=None):
+    """Prefill all but the last `steps` tokens, then decode those one at a time: (stacked logits, cache)."""
+    B, T = ids.shape
+    with torch.no_grad():
+        cache = model.make_cache(B, capacity=4)  # grown during the run
+        logits = [model(ids[:, : T - steps], cache=cache,
+                        attention_mask=None if mask is None else mask[:, : T - steps]).logits[:, -1]]
+        for t in range(T - steps, T):
+            logits.append(model(ids[:, t: t + 1], cache=cache,
+                                attention_mask=None if mask is None else mask[:, : t + 1]).logits[:, -1])
+    return torch.stack(logits, 1), cache
+
+
+def assert_same_caches(a, b, **tolerance):
+    for la, lb in zip(a.layers, b.layers):
+        for name in ("conv_state_B3WP", "recurrent_state_BHKV", "latent_BSL"):
+            if hasattr(la, name):
+                torch.testing.assert_close(getattr(la, name), getattr(lb, name), **tolerance)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_layer_step_matches_the_modules(tiny_model, monkeypatch, form):
+    """B = 2, a 6-token prefill then 5 one-token steps: the compiled layer step serves every layer of every step and
+    gives the logits and caches (KDA windows and states, MLA latents) of the modules with their fused operations
+    (the same kernels, so to rounding), and of the torch ops (no compiled kernel at all, to fp32 accuracy)."""
+    model = tiny_model(seed=21, **FORMS[form])
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(21))
+    served = spy_layer_steps(monkeypatch)
+    logits, cache = decode(model, ids, steps=5)
+    assert sorted(served) == sorted(list(range(len(model.model.layers))) * 5)
+
+    monkeypatch.setattr(fused_layer, "layer_step", lambda *args: None)
+    module_logits, module_cache = decode(model, ids, steps=5)
+    torch.testing.assert_close(logits, module_logits, rtol=1e-6, atol=1e-6)
+    assert_same_caches(cache, module_cache, rtol=1e-6, atol=1e-6)
+
+    monkeypatch.setattr(compiled, "build", lambda name: (None, "off"))
+    with pytest.warns(UserWarning, match="unavailable"):
+        torch_logits, torch_cache = decode(model, ids, steps=5)
+    torch.testing.assert_close(logits, torch_logits, rtol=1e-4, atol=1e-4)
+    assert_same_caches(cache, torch_cache, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["autograd", "five rows", "padding", "bf16", "K2 residual"])
+def test_other_calls_are_left_to_the_modules(tiny_model, monkeypatch, case):
+    """No compiled layer step where it does not implement the call: with autograd, more than `MAX_ROWS` sequences,
+    padding, bf16 weights, K2's plain residual stream."""
+    model = tiny_model(seed=22, **({"use_block_attn_res": False} if case == "K2 residual" else {}))
+    if case == "bf16":
+        model = model.to(torch.bfloat16)
+    B = compiled.MAX_ROWS + 1 if case == "five rows" else 2
+    ids = torch.randint(0, model.config.vocab_size, (B, 8), generator=torch.Generator().manual_seed(22))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding in the first row
+    served = spy_layer_steps(monkeypatch)
+    with torch.enable_grad() if case == "autograd" else torch.no_grad():
+        cache = model.make_cache(B)
+        model(ids[:, :7], cache=cache, attention_mask=mask[:, :7] if case == "padding" else None)
+        model(ids[:, 7:], cache=cache, attention_mask=mask if case == "padding" else None)
+    assert served == []
+
+
+@pytest.mark.parametrize("form", ["RoPE MLA", "expanded MLA decoding", "loop experts", "group-limited routing"])
+def test_layers_of_other_forms_run_their_modules(tiny_model, monkeypatch, form):
+    """A layer whose sequence mixer or FFN the compiled step does not implement runs its modules; the others of the
+    model still take the step."""
+    overrides, refused = {
+        "RoPE MLA": (dict(mla_use_nope=False), lambda layer: not layer.is_kda),
+        "expanded MLA decoding": (dict(mla_decode="expanded"), lambda layer: not layer.is_kda),
+        "loop experts": (dict(moe_impl="loop"), lambda layer: hasattr(layer, "block_sparse_moe")),
+        "group-limited routing": (dict(num_expert_group=2, topk_group=1),
+                                  lambda layer: hasattr(layer, "block_sparse_moe")),
+    }[form]
+    model = tiny_model(seed=22, **overrides)
+    served = spy_layer_steps(monkeypatch)
+    decode(model, torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(22)), 1)
+    assert sorted(served) == [layer.layer_idx for layer in model.model.layers if not refused(layer)]
+
+
+def test_a_hooked_layer_runs_its_modules(tiny_model, monkeypatch):
+    """A forward hook on any module of a layer (here its router) keeps that layer on its modules, so the hook sees
+    its call; the other layers still take the compiled step."""
+    model = tiny_model(seed=23)
+    hooked = next(layer for layer in model.model.layers if hasattr(layer, "block_sparse_moe"))
+    seen = []
+    hooked.block_sparse_moe.gate.register_forward_hook(lambda module, args, out: seen.append(out[0].shape))
+    served = spy_layer_steps(monkeypatch)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(23))
+    decode(model, ids, steps=1)
+    assert sorted(served) == [i for i in range(len(model.model.layers)) if i != hooked.layer_idx]
+    assert seen == [torch.Size([12, 2]), torch.Size([2, 2])]  # [B·T, k]: the prefill, then the decode step
+
+
+def test_a_replaced_parameter_or_module_is_read_again(tiny_model, monkeypatch):
+    """The layer's tensors are collected once and collected again when the layer has changed: after a decode step,
+    a parameter, a submodule and a buffer replaced in one model and the same values given to its copy, the next
+    steps match the copy's modules."""
+    model = tiny_model(seed=24)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(24))
+    decode(model, ids[:, :7], steps=1)  # the tensors of every layer collected
+    g = torch.Generator().manual_seed(25)
+    for m in (model, twin):
+        layer = m.model.layers[1]
+        layer.self_attn.o_proj.weight = nn.Parameter(torch.randn(layer.self_attn.o_proj.weight.shape, generator=g))
+        moe = layer.block_sparse_moe
+        moe.shared_experts = copy.deepcopy(moe.shared_experts)
+        with torch.no_grad():
+            moe.shared_experts.down_proj.weight.mul_(3.0)
+        moe.gate.e_score_correction_bias = torch.linspace(-1, 1, m.config.num_experts)
+        g.manual_seed(25)
+    served = spy_layer_steps(monkeypatch)
+    logits, _ = decode(model, ids, steps=2)
+    assert served
+    monkeypatch.setattr(fused_layer, "layer_step", lambda *args: None)
+    twin_logits, _ = decode(twin, ids, steps=2)
+    torch.testing.assert_close(logits, twin_logits, rtol=1e-6, atol=1e-6)

@@ -419,7 +419,8 @@ class Weights {
   bool has(const std::string &name) const { return tensors_.contains(name); }
   torch::Tensor operator()(const std::string &name) const {
     TORCH_CHECK(has(name), "decode kernel: the layer has no tensor ", name);
-    auto t = tensors_[py::str(name)].cast<torch::Tensor>().contiguous();
+    auto t = tensors_[py::str(name)].cast<torch::Tensor>();
+    if (!t.is_contiguous()) t = t.contiguous();  // (a parameter always is: no dispatch on the usual path)
     check(t, name.c_str());
     return t;
   }
@@ -493,7 +494,8 @@ torch::Tensor mlp_down(torch::Tensor gate, const torch::Tensor &up, const torch:
 }
 
 // Stable LatentMoE (k3.model.moe.StableLatentMoE): the down projection to the latent and the shared experts' gate and
-// up products in one pass, router and routed experts, the latent norm, the up projection, plus the shared experts
+// up products in one pass, router and routed experts, the latent norm, then the up projection and the shared experts'
+// down projection summed in one pass
 torch::Tensor moe(const torch::Tensor &x, const Weights &w, const Options &o) {
   const bool shared = w.has("block_sparse_moe.shared_experts.gate_proj.weight");
   std::vector<torch::Tensor> weights{w("block_sparse_moe.routed_expert_down_proj.weight")};
@@ -508,9 +510,10 @@ torch::Tensor moe(const torch::Tensor &x, const Weights &w, const Options &o) {
                       o.act.beta2);
   if (w.has("block_sparse_moe.routed_expert_norm.weight"))
     r = rms_norm(r, w("block_sparse_moe.routed_expert_norm.weight"), o.eps, true);
-  auto y = k3::linear(r, w("block_sparse_moe.routed_expert_up_proj.weight")).view_as(x);
-  if (shared) y += mlp_down(p[1], p[2], w("block_sparse_moe.shared_experts.down_proj.weight"), o.act);
-  return y;
+  const auto up = w("block_sparse_moe.routed_expert_up_proj.weight");
+  if (!shared) return k3::linear(r, up).view_as(x);
+  glu(p[1].data_ptr<float>(), p[2].data_ptr<float>(), p[1].numel(), o.act);  // the shared experts' activation
+  return k3::linear_sum({{r, up}, {p[1], w("block_sparse_moe.shared_experts.down_proj.weight")}}).view_as(x);
 }
 
 // One decoder layer of §5.3 for one token per sequence (k3.model.k3.K3DecoderLayer.forward): the AttnRes mix of

@@ -56,6 +56,39 @@ inline std::vector<torch::Tensor> linears(torch::Tensor x, const std::vector<tor
   return ys;
 }
 
+// Σ_k x_k W_kᵀ for pairs of x_k [..., in_k] (the same N rows) and W_k [out, in_k] -> [..., out] of the first x: one
+// pass over all the weights' rows, split over the threads (two products that are summed, one parallel region)
+inline torch::Tensor linear_sum(const std::vector<std::pair<torch::Tensor, torch::Tensor>> &terms) {
+  const int64_t out = terms[0].second.size(0), N = terms[0].first.numel() / terms[0].first.size(-1);
+  for (const auto &[x, W] : terms) {
+    check_product(x, W);
+    TORCH_CHECK(W.size(0) == out && x.numel() / x.size(-1) == N, "matvec kernel: the terms of a sum disagree");
+  }
+  auto sizes = terms[0].first.sizes().vec();
+  sizes.back() = out;
+  auto y = torch::empty(sizes, terms[0].first.options());
+  float *yp = y.data_ptr<float>();
+  struct Term {
+    const float *x, *W;
+    int64_t in;
+  };
+  std::vector<Term> ts;
+  int64_t row_width = 0;  // the weights' numbers per output row, all terms
+  for (const auto &[x, W] : terms) {
+    ts.push_back({x.data_ptr<float>(), W.data_ptr<float>(), W.size(1)});
+    row_width += W.size(1);
+  }
+  at::parallel_for(0, out, grain(row_width), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t a = 0; a < N; ++a) {
+        float acc = 0.f;
+        for (const auto &t : ts) acc += dot(t.W + i * t.in, t.x + a * t.in, t.in);
+        yp[a * out + i] = acc;
+      }
+  });
+  return y;
+}
+
 // x [..., in] (N rows), W [out, in] -> y [..., out], y[a, i] = Σ_j W[i, j] x[a, j]
 inline torch::Tensor linear(const torch::Tensor &x, const torch::Tensor &W) { return linears(x, {W})[0]; }
 

@@ -1,12 +1,13 @@
 """Benchmark: the compiled decode kernels side by side (docs/architecture.md §0.6).
 
-k3-tiny and k3-small, random init, fp32 on CPU, B=1, under `torch.no_grad()`, after a 512-token prompt. Three
+k3-tiny and k3-small, random init, fp32 on CPU, B=1, under `torch.no_grad()`, after a 512-token prompt. Four
 settings, alternating round by round in one process so that all of them see the same machine:
 
 * torch ops — no compiled kernel at all;
 * products — only the few-row products (`k3.ops.matvec`) and SiTU-GLU (`k3.ops.activation`) compiled;
-* all — the fused one-token operations (`k3.ops.decode`: norms, AttnRes mixes, the KDA and MLA steps, the MoE
-  router and routed experts) too.
+* fused ops — the fused one-token operations (`k3.ops.decode`: norms, AttnRes mixes, the KDA and MLA steps, the MoE
+  router and routed experts) too, each called by its module;
+* layer calls — each decoder layer as one compiled call (`k3.model.fused_layer`), the default.
 
 Reported: decode tokens/s (median of the rounds, each DECODE_STEPS greedy steps from the same cache state),
 the ratios, and the ATen calls per token (counted by a dispatch mode over one step). "CPU wait" is the share of
@@ -24,16 +25,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3.config import K3Config
+from k3.model import fused_layer
 from k3.model.k3 import K3ForCausalLM
 from k3.ops import compiled
 from common import CpuWait, machine, print_table
 from decode import restore, snapshot
 
 PROMPT, DECODE_STEPS = 512, 32
-SETTINGS = {  # the kernels each setting builds (the others report "unavailable" and their torch ops serve)
-    "torch ops": (),
-    "products": ("matvec", "activation"),
-    "all": ("matvec", "activation", "decode"),
+ALL = ("matvec", "activation", "decode")
+SETTINGS = {  # the kernels each setting builds (the others report "unavailable" and their torch ops serve), and
+    # whether a decoder layer may run as one compiled call
+    "torch ops": ((), False),
+    "products": (("matvec", "activation"), False),
+    "fused ops": (ALL, False),
+    "layer calls": (ALL, True),
 }
 
 
@@ -49,9 +54,11 @@ class AtenCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def use_kernels(names, build=compiled.build) -> None:
-    """Make `compiled.build` refuse every kernel but `names` (the KDA chunk kernel is prefill-only: kept)."""
+def use_kernels(names, layer_calls: bool, build=compiled.build, layer_step=fused_layer.layer_step) -> None:
+    """Make `compiled.build` refuse every kernel but `names` (the KDA chunk kernel is prefill-only: kept), and the
+    decoder layers run their modules unless `layer_calls`."""
     compiled.build = lambda name: build(name) if name in names or name == "kda" else (None, "off for comparison")
+    fused_layer.layer_step = layer_step if layer_calls else lambda *args: None
 
 
 def decode_steps(model, cache, first_B, steps) -> float:
@@ -73,8 +80,8 @@ def bench_preset(name: str, rounds: int):
     start, first_B = snapshot(cache), ids_BT[:, PROMPT]
     speeds, calls = {s: [] for s in SETTINGS}, {}
     for r in range(rounds + 1):  # round 0 warms every setting up
-        for setting, kernels in SETTINGS.items():
-            use_kernels(kernels)
+        for setting, (kernels, layer_calls) in SETTINGS.items():
+            use_kernels(kernels, layer_calls)
             restore(cache, start)
             if r == 0:
                 with AtenCalls() as counter:
@@ -84,7 +91,7 @@ def bench_preset(name: str, rounds: int):
             seconds = decode_steps(model, cache, first_B, DECODE_STEPS)
             if r:
                 speeds[setting].append(DECODE_STEPS / seconds)
-    use_kernels(("matvec", "activation", "decode"))
+    use_kernels(ALL, True)
     return {s: statistics.median(v) for s, v in speeds.items()}, calls
 
 
@@ -99,7 +106,7 @@ def main():
     presets, rounds = (("k3-small",), 3) if args.quick else (("k3-tiny", "k3-small"), 7)
     print(machine())
     print(f"fp32, B=1, no_grad, random init; {PROMPT}-token prompt; median of {rounds} rounds of {DECODE_STEPS} "
-          "greedy decode steps, the three settings alternating; ratios against the first column\n")
+          "greedy decode steps, the four settings alternating; ratios against the first column\n")
     rows = []
     for name in presets:
         wait = CpuWait()

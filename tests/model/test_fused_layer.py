@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from k3.model import fused_layer
+from k3.model.moe import RoutedExperts
 from k3.ops import compiled
 
 pytestmark = pytest.mark.skipif(compiled.build("decode")[0] is None,
@@ -101,18 +102,25 @@ def test_other_calls_are_left_to_the_modules(tiny_model, monkeypatch, case):
     assert served == []
 
 
-@pytest.mark.parametrize("form", ["RoPE MLA", "expanded MLA decoding", "loop experts", "group-limited routing"])
+@pytest.mark.parametrize("form", ["RoPE MLA", "expanded MLA decoding", "loop experts", "group-limited routing",
+                                  "subclassed experts"])
 def test_layers_of_other_forms_run_their_modules(tiny_model, monkeypatch, form):
     """A layer whose sequence mixer or FFN the compiled step does not implement runs its modules; the others of the
-    model still take the step."""
+    model still take the step. A subclass of a module (expert parallelism's experts are one) may compute
+    differently: its layer runs its modules too."""
     overrides, refused = {
         "RoPE MLA": (dict(mla_use_nope=False), lambda layer: not layer.is_kda),
         "expanded MLA decoding": (dict(mla_decode="expanded"), lambda layer: not layer.is_kda),
         "loop experts": (dict(moe_impl="loop"), lambda layer: hasattr(layer, "block_sparse_moe")),
         "group-limited routing": (dict(num_expert_group=2, topk_group=1),
                                   lambda layer: hasattr(layer, "block_sparse_moe")),
+        "subclassed experts": ({}, lambda layer: hasattr(layer, "block_sparse_moe")),
     }[form]
     model = tiny_model(seed=22, **overrides)
+    if form == "subclassed experts":
+        for layer in model.model.layers:
+            if hasattr(layer, "block_sparse_moe"):
+                layer.block_sparse_moe.experts.__class__ = type("Subclass", (RoutedExperts,), {})
     served = spy_layer_steps(monkeypatch)
     decode(model, torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(22)), 1)
     assert sorted(served) == [layer.layer_idx for layer in model.model.layers if not refused(layer)]

@@ -19,7 +19,8 @@ from k3.config import K3Config
 from k3.model.cache import KDACache, MLACache, StepContext
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import MLA_LORA_NORM_EPS, GatedMLA
-from k3.model.moe import StableLatentMoE
+from k3.model.ffn import SiTUMLP
+from k3.model.moe import RoutedExperts, StableLatentMoE
 from k3.ops import compiled, decode
 from k3.ops.kda.gpu import use_fla
 
@@ -53,14 +54,16 @@ def layer_tensors(layer: nn.Module) -> LayerTensors:
 
 def takes_layer(config: K3Config, layer: nn.Module) -> bool:
     """Whether the layer's form is one the compiled step implements: Block AttnRes; KDA, or gated-or-not NoPE MLA in
-    the absorbed form; a dense FFN, or a latent MoE routed without group limits by the grouped implementation."""
-    mixer, moe = layer.self_attn, getattr(layer, "block_sparse_moe", None)
+    the absorbed form; a dense FFN, or a latent MoE routed without group limits by the grouped implementation. The
+    classes must be exactly these: a subclass (expert parallelism's experts, say) may compute differently."""
+    mixer, ffn = layer.self_attn, getattr(layer, "block_sparse_moe", None) or layer.mlp
     return (config.use_block_attn_res
-            and (isinstance(mixer, KimiDeltaAttention)
-                 or (isinstance(mixer, GatedMLA) and config.mla_use_nope and config.mla_decode == "absorbed"))
-            and (moe is None or (isinstance(moe, StableLatentMoE) and config.use_latent_moe
-                                 and config.moe_impl != "loop"
-                                 and not (config.num_expert_group > 1 and config.topk_group < config.num_expert_group))))
+            and (type(mixer) is KimiDeltaAttention
+                 or (type(mixer) is GatedMLA and config.mla_use_nope and config.mla_decode == "absorbed"))
+            and (type(ffn) is SiTUMLP
+                 or (type(ffn) is StableLatentMoE and type(ffn.experts) is RoutedExperts and config.use_latent_moe
+                     and config.moe_impl != "loop"
+                     and not (config.num_expert_group > 1 and config.topk_group < config.num_expert_group))))
 
 
 def options(config: K3Config) -> dict:

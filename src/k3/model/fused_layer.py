@@ -56,7 +56,7 @@ def takes_layer(config: K3Config, layer: nn.Module) -> bool:
     """Whether the layer's form is one the compiled step implements: Block AttnRes; KDA, or gated-or-not NoPE MLA in
     the absorbed form; a dense FFN, or a latent MoE routed without group limits by the grouped implementation. The
     classes must be exactly these: a subclass (expert parallelism's experts, say) may compute differently."""
-    mixer, ffn = layer.self_attn, getattr(layer, "block_sparse_moe", None) or layer.mlp
+    mixer, ffn = layer.self_attn, layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
     return (config.use_block_attn_res
             and (type(mixer) is KimiDeltaAttention
                  or (type(mixer) is GatedMLA and config.mla_use_nope and config.mla_decode == "absorbed"))

@@ -63,13 +63,18 @@ def assert_same_caches(a, b, **tolerance):
 @pytest.mark.parametrize("form", FORMS)
 def test_layer_step_matches_the_modules(tiny_model, monkeypatch, form):
     """B = 2, a 6-token prefill then 5 one-token steps: the compiled layer step serves every layer of every step and
-    gives the logits and caches (KDA windows and states, MLA latents) of the modules with their fused operations
-    (the same kernels, so to rounding), and of the torch ops (no compiled kernel at all, to fp32 accuracy)."""
+    gives the logits of one forward over all tokens, and the logits and caches (KDA windows and states, MLA latents)
+    of the modules with their fused operations (the same kernels, so to rounding) and of the torch ops (no compiled
+    kernel at all), to fp32 accuracy."""
     model = tiny_model(seed=21, **FORMS[form])
     ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(21))
     served = spy_layer_steps(monkeypatch)
     logits, cache = decode(model, ids, steps=5)
     assert sorted(served) == sorted(list(range(len(model.model.layers))) * 5)
+
+    with torch.no_grad():  # prefill + decode through the layer step == one forward over all tokens
+        full_logits = model(ids).logits[:, 5:]
+    torch.testing.assert_close(logits, full_logits, rtol=1e-4, atol=1e-4)
 
     monkeypatch.setattr(fused_layer, "layer_step", lambda *args: None)
     module_logits, module_cache = decode(model, ids, steps=5)

@@ -27,17 +27,13 @@ void check(std::initializer_list<std::pair<const torch::Tensor *, const char *>>
 using k3::dot;
 using k3::sigmoid;
 
-// softmax over each of `rows` rows of `n` values, in place (vectorised: the rows are as long as the context)
-void softmax_rows(float *p, int64_t rows, int64_t n) {
+// softmax over the n values of p, in place
+void softmax(float *p, int64_t n) {
   using Vec = at::vec::Vectorized<float>;
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (float *row = p + begin * n; row < p + end * n; row += n) {
-      const float top = at::vec::reduce_all<float>([](Vec &a, Vec &b) { return at::vec::maximum(a, b); }, row, n);
-      at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, row, row, n);
-      const float total = at::vec::reduce_all<float>([](Vec &a, Vec &b) { return a + b; }, row, n);
-      at::vec::map([total](Vec x) { return x / Vec(total); }, row, row, n);
-    }
-  });
+  const float top = at::vec::reduce_all<float>([](Vec &a, Vec &b) { return at::vec::maximum(a, b); }, p, n);
+  at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, p, p, n);
+  const float total = at::vec::reduce_all<float>([](Vec &a, Vec &b) { return a + b; }, p, n);
+  at::vec::map([total](Vec x) { return x / Vec(total); }, p, p, n);
 }
 
 // 1 / sqrt(Σ x² / n + ε): n = the width for RMS statistics, 1 for the L2 norm
@@ -92,7 +88,7 @@ torch::Tensor attn_res_mix(std::vector<torch::Tensor> sources, torch::Tensor gam
       const float *v = V[s] + n * D;
       p[s] = dot(v, q.data(), D) * inverse_norm(v, D, static_cast<float>(D), eps);
     }
-    softmax_rows(p.data(), 1, S);
+    softmax(p.data(), S);
     float *yr = yp + n * D;
     for (int64_t s = 0; s < S; ++s) {
       const float *v = V[s] + n * D, ps = p[s];
@@ -302,7 +298,7 @@ struct RunningSoftmax {
   int64_t heads, C;
   float *max, *total, *o;  // [heads], [heads], [heads, C]
 
-  // take the rows [first, first + n) of one sequence's latent (row stride L), n ≤ kBlock, for the queries q_lat
+  // take the next n ≤ kBlock latent rows of one sequence (from `latent`, row stride L) for the queries q_lat
   // [heads, L]
   void take(const float *q_lat, const float *latent, int64_t L, int64_t n, float scale) {
     using Vec = at::vec::Vectorized<float>;

@@ -1,8 +1,8 @@
 // SiTU-GLU in one pass each way (k3/ops/activation.py, docs/architecture.md §6.1), fp32:
 //   h = a(g) · c(u),  a(g) = β₁ tanh(g/β₁) σ(g),  c(u) = β₂ tanh(u/β₂) (c(u) = u when β₂ ≤ 0: uncapped)
 //   ∂a/∂g = (1 − tanh²(g/β₁)) σ(g) + β₁ tanh(g/β₁) σ(g) (1 − σ(g)),  ∂c/∂u = 1 − tanh²(u/β₂)
-// The backward recomputes tanh and σ from g and u instead of keeping them. PyTorch's own vectorised tanh and exp
-// (ATen's Vectorized, SLEEF) do the transcendental work.
+// The backward recomputes tanh and σ from g and u instead of keeping them. ATen's vectorised exp (SLEEF) and
+// kernel_math.h's tanh do the transcendental work.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -28,7 +28,7 @@ struct Gate {  // a(g) and ∂a/∂g
 
 Gate gate(const Vec &g, float beta1) {
   const Vec one(1.f), b1(beta1);
-  const Vec t = (g / b1).tanh(), s = one / (one + g.neg().exp());
+  const Vec t = k3::tanh(g / b1), s = one / (one + g.neg().exp());
   return {b1 * t * s, (one - t * t) * s + b1 * t * s * (one - s)};
 }
 
@@ -61,7 +61,7 @@ std::vector<torch::Tensor> backward(torch::Tensor g, torch::Tensor u, torch::Ten
     const Vec uv = Vec::loadu(up + i, n), d = Vec::loadu(dhp + i, n);
     Vec c = uv, dc(1.f);
     if (b2 > 0) {
-      const Vec t = (uv / Vec(b2)).tanh();
+      const Vec t = k3::tanh(uv / Vec(b2));
       c = Vec(b2) * t;
       dc = Vec(1.f) - t * t;
     }

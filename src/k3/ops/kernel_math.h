@@ -27,14 +27,70 @@ inline float dot(const float *a, const float *b, int64_t n) {
   return acc;
 }
 
+// tanh(y) within 1 ulp of the exact value (0.92 measured against float64 over [-12, 12]) at a fraction of SLEEF's
+// cost: |y| < 1: y + y³ P(y²), P of degree 7 fitted by least squares on
+// Chebyshev nodes of y² ∈ [0, 1], weighted for relative error; else sign(y) (1 − 2 / (e^{2|y|} + 1)), where nothing
+// cancels. A vector without a lane beyond 1 (most SiTU inputs: g/β₁, u/β₂) skips the exponential.
+inline at::vec::Vectorized<float> tanh(const at::vec::Vectorized<float> &y) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr float P[] = {-0.333333284f, 0.13333191f,    -0.0539523624f, 0.0217818469f,
+                         -0.00858901907f, 0.00307145878f, -0.000836785766f, 0.000120391873f};
+  const Vec s = y * y;
+  Vec p(P[7]);
+  for (int i = 6; i >= 0; --i) p = at::vec::fmadd(p, s, Vec(P[i]));
+  const Vec small = at::vec::fmadd(y * s, p, y), a = y.abs();
+  if (at::vec::vec_reduce_all<float>([](Vec &u, Vec &v) { return at::vec::maximum(u, v); }, a) < 1.f) return small;
+  const Vec big = Vec(1.f) - Vec(2.f) / ((a + a).exp() + Vec(1.f));
+  return Vec::blendv(Vec::blendv(big, big.neg(), y < Vec(0.f)), small, a < Vec(1.f));
+}
+
+// softmax over the n values of p, in place
+inline void softmax(float *p, int64_t n) {
+  using Vec = at::vec::Vectorized<float>;
+  const float top = at::vec::reduce_all<float>([](Vec &a, Vec &b) { return at::vec::maximum(a, b); }, p, n);
+  at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, p, p, n);
+  const float total = at::vec::reduce_all<float>([](Vec &a, Vec &b) { return a + b; }, p, n);
+  at::vec::map([total](Vec x) { return x / Vec(total); }, p, p, n);
+}
+
+// 1 / sqrt(Σ x² / n + ε): n = the width for RMS statistics, 1 for the L2 norm
+inline float inverse_norm(const float *x, int64_t width, float n, double eps) {
+  return 1.f / std::sqrt(dot(x, x, width) / n + static_cast<float>(eps));
+}
+
+// one row of RMSNorm / L2 normalisation (k3.ops.norm): y = x r, times w where given (w ⊙ (x r), the torch ops'
+// order), r = inverse_norm(x); returns r
+inline float normalize_row(const float *x, const float *w, float *y, int64_t width, float n, double eps) {
+  const float r = inverse_norm(x, width, n, eps);
+  for (int64_t c = 0; c < width; ++c) y[c] = w ? w[c] * (x[c] * r) : x[c] * r;
+  return r;
+}
+
+// one row of the Block AttnRes mix (k3.model.attn_res): r_s = inverse_norm(V_s), p = softmax_s(r_s (V_s·q)),
+// y = Σ_s p_s V_s in the order of the sources; V[s] points at the row of source s, p and r get S values each
+inline void mix_row(const float *const *V, int64_t S, const float *q, int64_t D, double eps, float *p, float *r,
+                    float *y) {
+  for (int64_t s = 0; s < S; ++s) {
+    r[s] = inverse_norm(V[s], D, static_cast<float>(D), eps);
+    p[s] = dot(V[s], q, D) * r[s];
+  }
+  softmax(p, S);
+  for (int64_t d = 0; d < D; ++d) y[d] = 0.f;
+  for (int64_t s = 0; s < S; ++s) {
+    const float *v = V[s], ps = p[s];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) y[d] += ps * v[d];
+  }
+}
+
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 
 // SiTU-GLU of §6.1 on one vector: β₁ tanh(g/β₁) σ(g) · β₂ tanh(u/β₂), with u uncapped where β₂ ≤ 0
 inline at::vec::Vectorized<float> situ_glu(const at::vec::Vectorized<float> &g, const at::vec::Vectorized<float> &u,
                                            float beta1, float beta2) {
   using Vec = at::vec::Vectorized<float>;
-  const Vec one(1.f), b1(beta1), c = beta2 > 0 ? Vec(beta2) * (u / Vec(beta2)).tanh() : u;
-  return b1 * (g / b1).tanh() * (one / (one + g.neg().exp())) * c;
+  const Vec one(1.f), b1(beta1), c = beta2 > 0 ? Vec(beta2) * k3::tanh(u / Vec(beta2)) : u;
+  return b1 * k3::tanh(g / b1) * (one / (one + g.neg().exp())) * c;
 }
 
 }  // namespace k3

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from k3.ops import decode
-from k3.ops.norm import RMSNorm
+from k3.ops.norm import RMSNorm, normalized_key_mix
 from k3.ops.precision import fp32
 
 
@@ -22,6 +22,8 @@ def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) ->
     the sources' dtype. Each source is [B, T, D]; the mix is per token.
     """
     fused = decode.attn_res_mix(sources, norm.weight, proj.weight[0], norm.eps)  # one compiled call when decoding
+    if fused is None:  # many rows: the compiled mix (and its backward) where it serves
+        fused = normalized_key_mix(sources, norm.weight * proj.weight[0], norm.eps)
     if fused is not None:
         return fused
     V_SBTD = [fp32(V_BTD) for V_BTD in sources]  # a list: the sources are never stacked into one copy

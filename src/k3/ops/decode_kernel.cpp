@@ -27,19 +27,8 @@ void check(std::initializer_list<std::pair<const torch::Tensor *, const char *>>
 using k3::dot;
 using k3::sigmoid;
 
-// softmax over the n values of p, in place
-void softmax(float *p, int64_t n) {
-  using Vec = at::vec::Vectorized<float>;
-  const float top = at::vec::reduce_all<float>([](Vec &a, Vec &b) { return at::vec::maximum(a, b); }, p, n);
-  at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, p, p, n);
-  const float total = at::vec::reduce_all<float>([](Vec &a, Vec &b) { return a + b; }, p, n);
-  at::vec::map([total](Vec x) { return x / Vec(total); }, p, p, n);
-}
-
-// 1 / sqrt(Σ x² / n + ε): n = the width for RMS statistics, 1 for the L2 norm
-inline float inverse_norm(const float *x, int64_t width, float n, double eps) {
-  return 1.f / std::sqrt(dot(x, x, width) / n + static_cast<float>(eps));
-}
+using k3::inverse_norm;
+using k3::softmax;
 
 // RMSNorm / L2 normalisation over the last axis (k3.ops.norm): y = x / sqrt(mean(x²) + ε) (`mean`) or
 // x / sqrt(Σ x² + ε), times `weight` [C] when given
@@ -55,12 +44,7 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> weight, dou
   auto y = torch::empty_like(x);
   const float *xp = x.data_ptr<float>();
   float *yp = y.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n) {
-    const float *xr = xp + n * C;
-    float *yr = yp + n * C;
-    const float r = inverse_norm(xr, C, mean ? static_cast<float>(C) : 1.f, eps);
-    for (int64_t c = 0; c < C; ++c) yr[c] = w ? w[c] * (xr[c] * r) : xr[c] * r;
-  }
+  for (int64_t n = 0; n < N; ++n) k3::normalize_row(xp + n * C, w, yp + n * C, C, mean ? C : 1, eps);
   return y;
 }
 
@@ -76,25 +60,15 @@ torch::Tensor attn_res_mix(std::vector<torch::Tensor> sources, torch::Tensor gam
   check(w, "the pseudo-query");
   const int64_t D = sources[0].size(-1), N = sources[0].numel() / D, S = sources.size();
   TORCH_CHECK(gamma.numel() == D && w.numel() == D, "decode kernel: gain and pseudo-query must have ", D, " entries");
-  std::vector<float> q(D), p(S);
+  std::vector<float> q(D), p(S), r(S);
   std::vector<const float *> V(S);
-  for (int64_t s = 0; s < S; ++s) V[s] = sources[s].data_ptr<float>();
   const float *gp = gamma.data_ptr<float>(), *wp = w.data_ptr<float>();
   for (int64_t d = 0; d < D; ++d) q[d] = gp[d] * wp[d];
-  auto y = torch::zeros_like(sources[0]);
+  auto y = torch::empty_like(sources[0]);
   float *yp = y.data_ptr<float>();
   for (int64_t n = 0; n < N; ++n) {
-    for (int64_t s = 0; s < S; ++s) {
-      const float *v = V[s] + n * D;
-      p[s] = dot(v, q.data(), D) * inverse_norm(v, D, static_cast<float>(D), eps);
-    }
-    softmax(p.data(), S);
-    float *yr = yp + n * D;
-    for (int64_t s = 0; s < S; ++s) {
-      const float *v = V[s] + n * D, ps = p[s];
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) yr[d] += ps * v[d];
-    }
+    for (int64_t s = 0; s < S; ++s) V[s] = sources[s].data_ptr<float>() + n * D;
+    k3::mix_row(V.data(), S, q.data(), D, eps, p.data(), r.data(), yp + n * D);
   }
   return y;
 }

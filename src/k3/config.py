@@ -678,6 +678,8 @@ _TINY_VISION = K3VisionConfig(
     vt_num_hidden_layers=2, init_pos_emb_height=16, init_pos_emb_width=16, mm_hidden_size=64, text_hidden_size=128,
     media_placeholder_token_id=390)
 
+# The small presets chunk KDA by 32 tokens (the knob's default is 64): with head widths of 32 and 64 the compiled
+# CPU core runs 32-token chunks 8–12 % faster, and packed documents pad less (docs/benchmarks.md, Dec 2 evening).
 PRESETS: dict[str, dict[str, Any]] = {
     # the released numbers (§1.1, §1.2): text model, MoonViT-V2 and projector
     "k3-full": {"multimodal": multimodal_top_level(K3VisionConfig(), 163605)},
@@ -687,8 +689,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8, "q_lora_rank": 192, "kv_lora_rank": 128, "qk_nope_head_dim": 64,
         "qk_rope_head_dim": 32, "v_head_dim": 64, "kda_num_heads": 8, "kda_head_dim": 64,
         "intermediate_size": 2048, "num_experts": 32, "num_experts_per_token": 4, "moe_intermediate_size": 512,
-        "routed_expert_hidden_size": 256, "attn_res_block_size": 4, "bos_token_id": None, "eos_token_id": None,
-        "pad_token_id": None,
+        "routed_expert_hidden_size": 256, "attn_res_block_size": 4, "kda_chunk_size": 32, "bos_token_id": None,
+        "eos_token_id": None, "pad_token_id": None,
     },
     # same structure, < 10M parameters; trains on a CPU: 9 layers = [K,K,K,M]x2 + M, blocks of 4 (last partial)
     "k3-tiny": {
@@ -696,8 +698,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 48, "qk_nope_head_dim": 32,
         "qk_rope_head_dim": 16, "v_head_dim": 24, "kda_num_heads": 4, "kda_head_dim": 32,
         "intermediate_size": 384, "num_experts": 16, "num_experts_per_token": 4, "moe_intermediate_size": 96,
-        "routed_expert_hidden_size": 64, "attn_res_block_size": 4, "bos_token_id": None, "eos_token_id": None,
-        "pad_token_id": None,
+        "routed_expert_hidden_size": 64, "attn_res_block_size": 4, "kda_chunk_size": 32, "bos_token_id": None,
+        "eos_token_id": None, "pad_token_id": None,
     },
     # a vision-language K3 for the CPU shapes-captioning demo: 5 layers = [K,K,K,M] + M, vocab 400 (384 BPE
     # ranks + 16 special slots: <|media_pad|> is 390), MoonViT-V2 with 2 layers of width 64 (4 heads × 24)
@@ -706,8 +708,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 48, "qk_nope_head_dim": 32,
         "qk_rope_head_dim": 16, "v_head_dim": 24, "kda_num_heads": 4, "kda_head_dim": 32,
         "intermediate_size": 384, "num_experts": 8, "num_experts_per_token": 2, "moe_intermediate_size": 96,
-        "routed_expert_hidden_size": 64, "attn_res_block_size": 4, "bos_token_id": None, "eos_token_id": None,
-        "pad_token_id": None, "multimodal": multimodal_top_level(_TINY_VISION, 390),
+        "routed_expert_hidden_size": 64, "attn_res_block_size": 4, "kda_chunk_size": 32, "bos_token_id": None,
+        "eos_token_id": None, "pad_token_id": None, "multimodal": multimodal_top_level(_TINY_VISION, 390),
     },
     # Kimi K2's published shapes in K2's forms (§14.1): 61 MLA layers with RoPE, plain residuals, 384 full-width
     # SwiGLU experts top-8 + 1 shared, first layer dense; no multi-token-prediction layer

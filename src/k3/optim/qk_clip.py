@@ -96,6 +96,7 @@ def _scale_rows_(W_RX: torch.Tensor, factor_R: torch.Tensor) -> None:
 
 
 @torch.no_grad()
+@torch.no_grad()  # a statistic of the step: no autograd graph for the recomputed projections and scores
 def mla_max_logits(mla: GatedMLA, x_BTD: torch.Tensor, document_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
     """Per-head max pre-softmax logit [H] (fp32) of one MLA layer on its input x (§8.6 step 1).
 
@@ -115,7 +116,7 @@ def mla_max_logits(mla: GatedMLA, x_BTD: torch.Tensor, document_ids_BT: torch.Te
     valid_BTS = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()[None]
     if document_ids_BT is not None:
         valid_BTS = valid_BTS & (document_ids_BT[:, :, None] == document_ids_BT[:, None, :])
-    return scores_BHTS.masked_fill(~valid_BTS[:, None], float("-inf")).amax(dim=(0, 2, 3))
+    return scores_BHTS.masked_fill_(~valid_BTS[:, None], float("-inf")).amax(dim=(0, 2, 3))
 
 
 class MaxLogitRecorder(ForwardObserver):

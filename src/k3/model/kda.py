@@ -17,6 +17,7 @@ from k3.ops import decode
 from k3.ops.norm import RMSNorm, l2_normalize, rms_normalize
 from k3.ops.precision import KeepFP32, fp32
 from k3.ops.kda import chunk_kda, recurrent_kda
+from k3.ops.kda.conv import compiled_short_conv
 from k3.ops.kda.gpu import fla_kda, use_fla
 from k3.ops.kda.varlen import chunk_kda_by_document, kda_by_document
 from k3.ops.matvec import Linear, project
@@ -45,8 +46,9 @@ def short_conv(x_BTP: torch.Tensor, weight_P1W: torch.Tensor, context_BWP: torch
     inputs [B,W−1,P] = the context of the next call).
 
     y_t = Σ_j w_j · x_{t−(W−1)+j}, computed the fastest way measured on CPU (docs/benchmarks.md, "Decode"): one
-    token (decoding) as a product with its window, training (gradients or documents) as W shifted products,
-    a no-grad multi-token call (prefill) by `conv1d`.
+    token (decoding) as a product with its window, training (gradients or documents) by the compiled kernel
+    (`k3.ops.kda.conv`; where it does not serve, as W shifted products), a no-grad multi-token call (prefill) by
+    `conv1d`.
     """
     W = weight_P1W.shape[-1]
     if context_BWP is None:
@@ -58,6 +60,9 @@ def short_conv(x_BTP: torch.Tensor, weight_P1W: torch.Tensor, context_BWP: torch
     if T == 1 and document_ids_BT is None:
         y_BTP = (x_BTP_fp32 * w_PW.t()).sum(1, keepdim=True)
     elif document_ids_BT is not None or torch.is_grad_enabled():
+        fused_BTP = compiled_short_conv(x_BTP_fp32, w_PW, document_ids_BT)  # SiLU included, one pass each way
+        if fused_BTP is not None:
+            return fused_BTP.to(x_BTP.dtype), full_BTP[:, full_BTP.shape[1] - (W - 1):]
         # the (zero) context belongs to no document
         doc_BT = None if document_ids_BT is None else F.pad(document_ids_BT, (W - 1, 0), value=-1)
         y_BTP = sum(w_PW[:, j] * x_BTP_fp32[:, j: j + T] * (1 if doc_BT is None else

@@ -10,10 +10,15 @@
 // blocks stay finite; `cpu.py` checks the bound and otherwise uses the torch path.
 //
 // Shape suffixes as in function.py: U chunks of C tokens, sub-chunks of Z, u = C / Z of them per chunk.
+//
+// The end of the file holds the layer's short convolution of many tokens, forward and backward (k3/ops/kda/conv.py).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <limits>
 #include <vector>
 
@@ -381,9 +386,112 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
   return {dq, dk, dv, dg, dbeta, dS};
 }
 
+// ---------------------------------------------------------------------------------------------- short convolution
+// KDA's causal depthwise convolution + SiLU (k3.model.kda.short_conv, §3.2 step 2) for many tokens, fp32, each way
+// one pass over the positions. x [B, T+W−1, P] holds the W−1 context inputs, then the T new ones; w [W, P] (tap-major);
+// tap j of output t reads input t+j — not at all, with document ids [B, T], where that input is a context input
+// or belongs to another document than output t (packed rows, §3.8).
+//   y_t = silu(u_t), u_t = Σ_j w_j ⊙ x_{t+j}
+//   du_t = dy_t ⊙ σ(u_t) (1 + u_t (1 − σ(u_t))),  dx_s = Σ_j w_j ⊙ du_{s−j},  dw_j = Σ_t du_t ⊙ x_{t+j}
+struct ShortConv {
+  const float *x, *w;
+  const int64_t *doc;
+  int64_t B, T, W, P;
+
+  ShortConv(const torch::Tensor &x_, const torch::Tensor &w_, const c10::optional<torch::Tensor> &doc_)
+      : x(x_.data_ptr<float>()), w(w_.data_ptr<float>()), doc(doc_ ? doc_->data_ptr<int64_t>() : nullptr),
+        B(x_.size(0)), T(x_.size(1) - w_.size(0) + 1), W(w_.size(0)), P(x_.size(2)) {
+    TORCH_CHECK(x_.scalar_type() == torch::kFloat && w_.scalar_type() == torch::kFloat && x_.is_contiguous() &&
+                    w_.is_contiguous() && x_.dim() == 3 && w_.dim() == 2 && w_.size(1) == P && T >= 1,
+                "short conv kernel: x [B, T+W−1, P] and w [W, P], contiguous fp32");
+    TORCH_CHECK(!doc_ || (doc_->scalar_type() == torch::kLong && doc_->is_contiguous() && doc_->numel() == B * T),
+                "short conv kernel: document ids [B, T], contiguous int64");
+  }
+  bool reads(int64_t b, int64_t t, int64_t j) const {  // whether tap j of output t reads input t+j
+    const int64_t s = t + j - (W - 1);  // that input among the new tokens (< 0: a context input)
+    return doc == nullptr || (s >= 0 && doc[b * T + s] == doc[b * T + t]);
+  }
+  const float *input(int64_t b, int64_t i) const { return x + (b * (T + W - 1) + i) * P; }
+  void pre_activation(int64_t b, int64_t t, float *u) const {  // u = Σ_j w_j ⊙ x_{t+j}
+    std::fill(u, u + P, 0.f);
+    for (int64_t j = 0; j < W; ++j) {
+      if (!reads(b, t, j)) continue;
+      const float *xr = input(b, t + j), *wj = w + j * P;
+#pragma omp simd
+      for (int64_t p = 0; p < P; ++p) u[p] += wj[p] * xr[p];
+    }
+  }
+};
+
+constexpr int64_t kConvRows = 8;  // positions per task
+
+torch::Tensor short_conv_forward(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> doc) {
+  using Vec = at::vec::Vectorized<float>;
+  const ShortConv conv(x, w, doc);
+  auto y = torch::empty({conv.B, conv.T, conv.P}, x.options());
+  float *yp = y.data_ptr<float>();
+  at::parallel_for(0, conv.B * conv.T, kConvRows, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      float *yr = yp + bt * conv.P;
+      conv.pre_activation(bt / conv.T, bt % conv.T, yr);
+      at::vec::map([](Vec u) { return u / (Vec(1.f) + u.neg().exp()); }, yr, yr, conv.P);
+    }
+  });
+  return y;
+}
+
+// dx [B, T+W−1, P] and dw [W, P]
+std::vector<torch::Tensor> short_conv_backward(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> doc,
+                                               torch::Tensor dy) {
+  using Vec = at::vec::Vectorized<float>;
+  const ShortConv conv(x, w, doc);
+  const int64_t B = conv.B, T = conv.T, W = conv.W, P = conv.P, S = T + W - 1;
+  TORCH_CHECK(dy.is_contiguous() && dy.scalar_type() == torch::kFloat && dy.numel() == B * T * P,
+              "short conv kernel: dy [B, T, P], contiguous fp32");
+  auto du = torch::empty({B, T, P}, x.options());
+  const float *dyp = dy.data_ptr<float>();
+  float *dup = du.data_ptr<float>();
+  at::parallel_for(0, B * T, kConvRows, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      float *dur = dup + bt * P;
+      conv.pre_activation(bt / T, bt % T, dur);
+      at::vec::map2([](Vec u, Vec d) {
+        const Vec sig = Vec(1.f) / (Vec(1.f) + u.neg().exp());
+        return d * sig * (Vec(1.f) + u * (Vec(1.f) - sig));
+      }, dur, dur, dyp + bt * P, P);
+    }
+  });
+  auto dx = torch::empty_like(x);
+  auto dw_threads = torch::zeros({at::get_num_threads(), W, P}, torch::kDouble);
+  float *dxp = dx.data_ptr<float>();
+  at::parallel_for(0, B * S, kConvRows, [&](int64_t begin, int64_t end) {
+    double *dw = dw_threads.data_ptr<double>() + at::get_thread_num() * W * P;
+    for (int64_t bs = begin; bs < end; ++bs) {
+      const int64_t b = bs / S, s = bs % S;
+      float *dxr = dxp + bs * P;
+      const float *xr = conv.input(b, s);
+      std::fill(dxr, dxr + P, 0.f);
+      for (int64_t j = 0; j < W; ++j) {
+        const int64_t t = s - j;  // the output whose tap j reads input s
+        if (t < 0 || t >= T || !conv.reads(b, t, j)) continue;
+        const float *dur = dup + (b * T + t) * P, *wj = conv.w + j * P;
+        double *dwj = dw + j * P;
+#pragma omp simd
+        for (int64_t p = 0; p < P; ++p) {
+          dxr[p] += wj[p] * dur[p];
+          dwj[p] += dur[p] * xr[p];
+        }
+      }
+    }
+  });
+  return {dx, dw_threads.sum(0).to(torch::kFloat)};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "chunkwise KDA forward (bounded gates)");
   m.def("backward", &backward, "chunkwise KDA backward (bounded gates)");
+  m.def("short_conv_forward", &short_conv_forward, "KDA short convolution + SiLU of many tokens (fp32)");
+  m.def("short_conv_backward", &short_conv_backward, "its backward: dx (context included), dw [W, P] (fp32)");
 }

@@ -1,0 +1,64 @@
+"""`k3.ops.kda.conv`: KDA's short convolution + SiLU of many tokens on the compiled kernel (forward and backward)
+against the shifted products in torch ops (`k3.model.kda.short_conv`'s reference) and float64 (§3.2, §3.8)."""
+
+import pytest
+import torch
+
+import k3.model.kda as kda_module
+from k3.model.kda import short_conv
+from k3.ops import compiled
+from k3.ops.kda import conv
+
+pytestmark = pytest.mark.skipif(compiled.build("kda")[0] is None,
+                                reason="the compiled kda kernel could not be built here")
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def run(x, w, context, documents, dy, reference, monkeypatch):
+    """short_conv's output and the gradients of Σ output · dy for x, w and the context."""
+    with monkeypatch.context() as patch:
+        if reference:
+            patch.setattr(kda_module, "compiled_short_conv", lambda *args: None)
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, context)]
+        y, new_context = short_conv(*leaves, documents)
+        y.backward(dy.to(y.dtype))
+    return [y.detach(), *(t.grad for t in leaves)], new_context
+
+
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("B,T,P", [(2, 37, 20), (1, 5, 64), (3, 1, 12)])
+def test_matches_the_shifted_products(monkeypatch, B, T, P, documents):
+    """Values and the gradients of x, the taps and the context: the kernel within fp32 rounding of the torch ops,
+    both close to float64; a context that is not zero (a continued sequence), documents of ragged lengths."""
+    W = 4
+    x, w, context = randn(B, T, P, seed=1), 0.5 * randn(P, 1, W, seed=2), randn(B, W - 1, P, seed=3)
+    dy = randn(B, T, P, seed=4)
+    doc = torch.cumsum(torch.rand(B, T, generator=torch.Generator().manual_seed(5)) < 0.2, 1) if documents else None
+    calls = []
+    spy = conv.ShortConvFunction.apply
+    monkeypatch.setattr(conv.ShortConvFunction, "apply", lambda *a: (calls.append(1), spy(*a))[1])
+    ours, new_context = run(*(t.float() for t in (x, w, context)), doc, dy, False, monkeypatch)
+    assert calls or (T == 1 and not documents), "the compiled kernel served the call"  # one token: the window product
+    torch_ops, _ = run(*(t.float() for t in (x, w, context)), doc, dy, True, monkeypatch)
+    exact, _ = run(x, w, context, doc, dy, True, monkeypatch)
+    for what, a, b, c in zip(["y", "dx", "dw", "dcontext"], ours, torch_ops, exact):
+        assert a.dtype == torch.float32 and a.shape == c.shape, what
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=what)
+        err, torch_err = ((t.double() - c).abs().max() for t in (a, b))
+        assert err <= 2 * torch_err + 1e-6, what
+    torch.testing.assert_close(new_context, torch.cat([context.float(), x.float()], 1)[:, -(W - 1):])
+
+
+def test_without_grad_and_other_dtypes(monkeypatch):
+    """A no-grad call with documents takes the kernel's forward; float64 keeps the torch ops."""
+    x, w = randn(2, 9, 8).float(), randn(8, 1, 4, seed=1).float()
+    doc = torch.tensor([[0] * 4 + [1] * 5, [2] * 9])
+    with torch.no_grad():
+        y, _ = short_conv(x, w, None, doc)
+    monkeypatch.setattr(kda_module, "compiled_short_conv", lambda *args: None)
+    with torch.no_grad():
+        torch.testing.assert_close(y, short_conv(x, w, None, doc)[0])
+    assert conv.compiled_short_conv(x.double(), w[:, 0].double(), doc) is None

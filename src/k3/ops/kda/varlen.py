@@ -82,13 +82,14 @@ def chunk_kda_by_document(q, k, v, g, beta, document_ids_BT: torch.Tensor, chunk
     B, T = document_ids_BT.shape
     new_pos_BT, reset_BU = chunk_aligned_layout(document_ids_BT, chunk_size)
     R = reset_BU.shape[1] * chunk_size
-    rows_BT = torch.arange(B, device=new_pos_BT.device)[:, None].expand(B, T)
+    flat_N = (torch.arange(B, device=new_pos_BT.device)[:, None] * R + new_pos_BT).flatten()  # N = B·T tokens
+    # index_copy / index_select rather than indexing with the (row, position) pairs: their backward is a gather or
+    # a scatter-add instead of an accumulating index_put (4× slower on CPU, measured)
 
     def relaid(x_BT_):
-        x_Br_ = x_BT_.new_zeros(B, R, *x_BT_.shape[2:])
-        x_Br_[rows_BT, new_pos_BT] = x_BT_
-        return x_Br_
+        x_N_ = x_BT_.flatten(0, 1)
+        return x_N_.new_zeros(B * R, *x_N_.shape[1:]).index_copy(0, flat_N, x_N_).view(B, R, *x_N_.shape[1:])
 
     o_BrHV, _ = chunk_kda(*(relaid(x) for x in (q, k, v, g, beta)), scale=scale, chunk_size=chunk_size,
                           reset_chunks=reset_BU)
-    return o_BrHV[rows_BT, new_pos_BT]
+    return o_BrHV.flatten(0, 1).index_select(0, flat_N).view(B, T, *o_BrHV.shape[2:])

@@ -9,6 +9,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -211,7 +212,10 @@ class K3ForCausalLM(PretrainedMixin, nn.Module):
             if attention_mask is not None:  # a padding position predicts nothing (left padding)
                 new_BT = attention_mask[:, -labels.shape[1]:].to(labels.device)
                 targets_BT = targets_BT.masked_fill(new_BT[:, :-1] == 0, IGNORE_INDEX)
-            loss = next_token_loss(logits_BTO[:, :-1], targets_BT)
+            # the last position predicts nothing: scoring all T positions against targets padded with the ignore
+            # index gives the same loss without copying the [B, T−1, V] slice of the logits (nor scattering its
+            # gradient back)
+            loss = next_token_loss(logits_BTO, F.pad(targets_BT, (0, 1), value=IGNORE_INDEX))
             loss_tokens = (targets_BT != IGNORE_INDEX).sum()
         return CausalLMOutput(logits=logits_BTO, loss=loss, loss_tokens=loss_tokens)
 

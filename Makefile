@@ -55,6 +55,7 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/kda.py --quick
 	$(PY) benchmarks/train.py --quick
+	$(PY) benchmarks/train_ops.py --rounds 2
 	$(PY) benchmarks/decode.py --quick
 	$(PY) benchmarks/decode_kernels.py --quick
 	$(PY) benchmarks/vision.py --quick

@@ -62,3 +62,10 @@ def test_without_grad_and_other_dtypes(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(y, short_conv(x, w, None, doc)[0])
     assert conv.compiled_short_conv(x.double(), w[:, 0].double(), doc) is None
+
+
+def test_no_new_token():
+    """A call without new tokens (T = 0) declines the kernel; the torch ops return an empty output and the context."""
+    x, w, context = randn(2, 0, 8).float().requires_grad_(), randn(8, 1, 4, seed=1).float(), randn(2, 3, 8).float()
+    y, new_context = short_conv(x, w, context)
+    assert y.shape == (2, 0, 8) and torch.equal(new_context, context)

@@ -35,7 +35,7 @@ def compiled_short_conv(full_BSP: torch.Tensor, weight_PW: torch.Tensor,
     """The fp32 output [B, T, P] of the short convolution + SiLU of `full_BSP` (the W−1 context inputs, then the new
     ones) with the taps `weight_PW` — a tap never reads another document's input where `document_ids_BT` is given —
     or None where the compiled kernel does not serve (other dtypes, a DTensor, no kernel)."""
-    if not compiled.serves("kda", full_BSP, weight_PW):
+    if full_BSP.shape[1] < weight_PW.shape[1] or not compiled.serves("kda", full_BSP, weight_PW):  # no new token
         return None
     w_WP = weight_PW.t().contiguous()  # autograd carries the gradient back to the [P, W] view
     documents = None if document_ids_BT is None else document_ids_BT.to(torch.long).contiguous()

@@ -113,3 +113,12 @@ def test_other_calls_keep_the_torch_ops(monkeypatch, case):
         y = l2_normalize(x.requires_grad_())
         assert not type(y.grad_fn).__name__.startswith("_RowNorm")
         assert torch.equal(y, norm_formula(fp32(x), None, 1e-6, False))
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (3, 0)])
+def test_empty_inputs_keep_the_torch_ops(shape):
+    """No rows, or rows of width 0: the torch ops' (empty) results, no kernel call."""
+    x = torch.zeros(shape, requires_grad=True)
+    for y in (l2_normalize(x), rms_normalize(x, 1e-5), RMSNorm(shape[-1], eps=1e-5)(x)):
+        assert y.shape == x.shape and not type(y.grad_fn).__name__.startswith("_RowNorm")
+    assert normalized_key_mix([x, x + 1], torch.zeros(shape[-1]), 1e-5) is None

@@ -40,6 +40,8 @@ class _RowNormFunction(torch.autograd.Function):
 def _compiled_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, mean: bool) -> torch.Tensor | None:
     """The norm of x over its last axis (times `weight`) by a compiled kernel — the decode kernel's for one-token
     calls, else the norm kernel (with its backward where autograd needs one) — or None where none serves."""
+    if x.numel() == 0:  # nothing to normalise (the kernels count rows by dividing by the width)
+        return None
     fused = decode.rms_norm(x, weight, eps, mean)
     if fused is not None or not compiled.serves("norm", x, *(() if weight is None else (weight,))):
         return fused
@@ -87,7 +89,8 @@ class _MixFunction(torch.autograd.Function):
 def normalized_key_mix(sources: list[torch.Tensor], query_D: torch.Tensor, eps: float) -> torch.Tensor | None:
     """Σ_s softmax_s(q·V_s / sqrt(mean(V_s²) + ε)) V_s of same-shaped fp32 CPU sources by the compiled kernel (with
     its backward where autograd needs one), or None where it does not serve (the caller's torch ops then do)."""
-    if len({tuple(V.shape) for V in sources}) != 1 or not compiled.serves("norm", *sources, query_D):
+    if (len({tuple(V.shape) for V in sources}) != 1 or sources[0].numel() == 0
+            or not compiled.serves("norm", *sources, query_D)):
         return None
     if torch.is_grad_enabled() and (query_D.requires_grad or any(V.requires_grad for V in sources)):
         return _MixFunction.apply(query_D, eps, *sources)

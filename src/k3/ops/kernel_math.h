@@ -1,6 +1,8 @@
 // Helpers shared by the compiled CPU kernels of k3/ops (see k3/ops/compiled.py).
 #pragma once
 
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -82,6 +84,16 @@ inline void mix_row(const float *const *V, int64_t S, const float *q, int64_t D,
     for (int64_t d = 0; d < D; ++d) y[d] += ps * v[d];
   }
 }
+
+// Sums over rows taken inside an `at::parallel_for` (a gradient summed over tokens: dw, dq): each thread adds into
+// its own row of a [threads, width] float64 buffer — a long fp32 running sum would lose digits as the rows grow —
+// and `total()` adds the rows and rounds to fp32.
+struct ThreadSums {
+  at::Tensor sums;
+  explicit ThreadSums(int64_t width) : sums(at::zeros({at::get_num_threads(), width}, at::kDouble)) {}
+  double *mine() { return sums.data_ptr<double>() + at::get_thread_num() * sums.size(1); }
+  at::Tensor total() const { return sums.sum(0).to(at::kFloat); }
+};
 
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 

@@ -6,8 +6,7 @@
 //   AttnRes:  r_s = 1/sqrt(Σ V_s² / D + ε), l_s = r_s (V_s·q), p = softmax_s(l), y = Σ_s p_s V_s
 //             dp_s = dy·V_s, dl_s = p_s (dp_s − Σ_j p_j dp_j),
 //             dV_s = p_s dy + dl_s r_s (q − r_s² (V_s·q) V_s / D),  dq = Σ_rows Σ_s dl_s r_s V_s
-// The forward keeps r (and p) per row for the backward; the sums over rows (dw, dq) are taken per thread in float64
-// (a long fp32 running sum would lose digits as the rows grow), then added and rounded.
+// The forward keeps r (and p) per row for the backward; the sums over rows (dw, dq) are k3::ThreadSums.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -25,14 +24,6 @@ void check(const torch::Tensor &t, const char *what, int64_t width) {
                   t.size(-1) == width,
               "norm kernel: ", what, " must be a contiguous fp32 CPU tensor of rows of ", width);
 }
-
-// a [threads, width] float64 buffer for per-thread sums over rows, and their fp32 total
-struct PerThread {
-  torch::Tensor sums;
-  explicit PerThread(int64_t width) : sums(torch::zeros({at::get_num_threads(), width}, torch::kDouble)) {}
-  double *mine() { return sums.data_ptr<double>() + at::get_thread_num() * sums.size(1); }
-  torch::Tensor total() const { return sums.sum(0).to(torch::kFloat); }
-};
 
 // y and r [rows] of the norm (no weight: no gain)
 std::vector<torch::Tensor> rms_norm_forward(torch::Tensor x, c10::optional<torch::Tensor> weight, double eps,
@@ -61,7 +52,7 @@ std::vector<torch::Tensor> rms_norm_backward(torch::Tensor x, c10::optional<torc
   const bool gain = weight.has_value();
   if (gain) check(*weight, "the weight", C);
   auto dx = torch::empty_like(x);
-  PerThread dw(gain ? C : 0);
+  k3::ThreadSums dw(gain ? C : 0);
   const float *xp = x.data_ptr<float>(), *w = gain ? weight->data_ptr<float>() : nullptr, *rp = r.data_ptr<float>(),
               *dyp = dy.data_ptr<float>();
   float *dxp = dx.data_ptr<float>();
@@ -138,7 +129,7 @@ std::vector<torch::Tensor> mix_backward(std::vector<torch::Tensor> sources, torc
     grads.push_back(torch::empty_like(V));
     dbase.push_back(grads.back().data_ptr<float>());
   }
-  PerThread dq(D);
+  k3::ThreadSums dq(D);
   const float *qp = q.data_ptr<float>(), *pp = p.data_ptr<float>(), *rp = r.data_ptr<float>(),
               *dyp = dy.data_ptr<float>();
   at::parallel_for(0, N, kRows, [&](int64_t begin, int64_t end) {

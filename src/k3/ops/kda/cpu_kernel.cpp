@@ -18,6 +18,8 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "kernel_math.h"
+
 #include <algorithm>
 #include <limits>
 #include <vector>
@@ -393,6 +395,7 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
 // or belongs to another document than output t (packed rows, §3.8).
 //   y_t = silu(u_t), u_t = Σ_j w_j ⊙ x_{t+j}
 //   du_t = dy_t ⊙ σ(u_t) (1 + u_t (1 − σ(u_t))),  dx_s = Σ_j w_j ⊙ du_{s−j},  dw_j = Σ_t du_t ⊙ x_{t+j}
+// (dw: k3::ThreadSums)
 struct ShortConv {
   const float *x, *w;
   const int64_t *doc;
@@ -462,10 +465,10 @@ std::vector<torch::Tensor> short_conv_backward(torch::Tensor x, torch::Tensor w,
     }
   });
   auto dx = torch::empty_like(x);
-  auto dw_threads = torch::zeros({at::get_num_threads(), W, P}, torch::kDouble);
+  k3::ThreadSums dw_sums(W * P);
   float *dxp = dx.data_ptr<float>();
   at::parallel_for(0, B * S, kConvRows, [&](int64_t begin, int64_t end) {
-    double *dw = dw_threads.data_ptr<double>() + at::get_thread_num() * W * P;
+    double *dw = dw_sums.mine();
     for (int64_t bs = begin; bs < end; ++bs) {
       const int64_t b = bs / S, s = bs % S;
       float *dxr = dxp + bs * P;
@@ -484,7 +487,7 @@ std::vector<torch::Tensor> short_conv_backward(torch::Tensor x, torch::Tensor w,
       }
     }
   });
-  return {dx, dw_threads.sum(0).to(torch::kFloat)};
+  return {dx, dw_sums.total().view({W, P})};
 }
 
 }  // namespace

@@ -95,7 +95,6 @@ def _scale_rows_(W_RX: torch.Tensor, factor_R: torch.Tensor) -> None:
     W_RX.copy_(fp32(W_RX) * factor_R1)
 
 
-@torch.no_grad()
 @torch.no_grad()  # a statistic of the step: no autograd graph for the recomputed projections and scores
 def mla_max_logits(mla: GatedMLA, x_BTD: torch.Tensor, document_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
     """Per-head max pre-softmax logit [H] (fp32) of one MLA layer on its input x (§8.6 step 1).
@@ -103,20 +102,27 @@ def mla_max_logits(mla: GatedMLA, x_BTD: torch.Tensor, document_ids_BT: torch.Te
     x is the layer's `input_layernorm` output [B, T, D]. Logits are [q_nope ‖ q_pe]·[k_nope ‖ k_pe] / sqrt(N + R)
     over causal pairs (key ≤ query), within a document when `document_ids_BT` (packed rows) is given; the max
     runs over batch, queries and keys. Recomputes the scores from the module's own projections, so it costs one
-    extra QKᵀ per layer.
+    extra QKᵀ per layer: one row at a time, every head's [T, T] scores in one product that adds −inf to the
+    pairs left out (the scores of a row stay in cache; no mask pass).
     """
     cfg = mla.config
     B, T, _ = x_BTD.shape
-    N, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    H, N, R = mla.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     q_nope_BTHK, q_pe_BTHR = mla.project_query(x_BTD)
     c_BTc, k_pe_BTR = mla.compress_kv(x_BTD).split([cfg.kv_lora_rank, R], dim=-1)
-    k_nope_BTHK = mla.kv_b_proj(c_BTc).view(B, T, mla.num_heads, -1)[..., :N]
-    scores_BHTS = (torch.einsum("bthn,bshn->bhts", fp32(q_nope_BTHK), fp32(k_nope_BTHK))
-                   + torch.einsum("bthr,bsr->bhts", fp32(q_pe_BTHR), fp32(k_pe_BTR))) * mla.scale
-    valid_BTS = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()[None]
+    k_nope_BTHK = mla.kv_b_proj(c_BTc).view(B, T, H, -1)[..., :N]
+    q_BHTQ = (fp32(torch.cat([q_nope_BTHK, q_pe_BTHR], dim=-1)) * mla.scale).transpose(1, 2).contiguous()
+    k_BTHQ = torch.cat([k_nope_BTHK, k_pe_BTR[:, :, None].expand(B, T, H, R)], dim=-1)
+    k_BHQT = fp32(k_BTHQ).permute(0, 2, 3, 1).contiguous()
+    valid_BTT = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()[None]
     if document_ids_BT is not None:
-        valid_BTS = valid_BTS & (document_ids_BT[:, :, None] == document_ids_BT[:, None, :])
-    return scores_BHTS.masked_fill_(~valid_BTS[:, None], float("-inf")).amax(dim=(0, 2, 3))
+        valid_BTT = valid_BTT & (document_ids_BT[:, :, None] == document_ids_BT[:, None, :])
+    left_out_BTT = torch.zeros(valid_BTT.shape, device=x_BTD.device).masked_fill_(~valid_BTT, float("-inf"))
+    max_H = torch.full((H,), float("-inf"), device=x_BTD.device)
+    for b in range(B):  # −inf + s = −inf: the pairs left out never win
+        scores_HTT = torch.baddbmm(left_out_BTT[b % left_out_BTT.shape[0]].expand(H, T, T), q_BHTQ[b], k_BHQT[b])
+        max_H = torch.maximum(max_H, scores_HTT.view(H, -1).amax(dim=-1))
+    return max_H
 
 
 class MaxLogitRecorder(ForwardObserver):

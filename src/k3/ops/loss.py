@@ -1,4 +1,8 @@
-"""The next-token loss (docs/architecture.md §9.9): fp32 cross-entropy over the shifted labels."""
+"""The next-token loss (docs/architecture.md §9.9): fp32 cross-entropy over the shifted labels.
+
+`F.cross_entropy` is the reference; for fp32 CPU logits the loss runs on a compiled kernel (`loss_kernel.cpp`: one
+pass per row each way, docs/architecture.md §0.6) with the same value and gradient.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,9 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
+from k3.ops import compiled
 from k3.ops.precision import fp32
 
 IGNORE_INDEX = -100
@@ -31,4 +37,25 @@ def next_token_loss(logits_BTO: torch.Tensor, targets_BT: torch.Tensor) -> torch
     if not bool((targets_BT != IGNORE_INDEX).any()):
         warnings.warn("every label is the ignore index (-100): the loss is 0", stacklevel=3)
         return logits_BTO.sum().float() * 0.0
-    return F.cross_entropy(fp32(logits_BTO).flatten(0, 1), targets_BT.flatten(), ignore_index=IGNORE_INDEX)
+    logits_NO, targets_N = fp32(logits_BTO).flatten(0, 1), targets_BT.flatten()
+    if not compiled.serves("loss", logits_NO) or targets_N.dtype != torch.int64:
+        return F.cross_entropy(logits_NO, targets_N, ignore_index=IGNORE_INDEX)
+    loss_N = _CrossEntropyFunction.apply(logits_NO.contiguous(), targets_N.contiguous())
+    return loss_N.sum() / (targets_N != IGNORE_INDEX).sum()
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    """Cross-entropy per row (0 where the target is IGNORE_INDEX) on the compiled kernel; saves the logits, the
+    targets and the log-sum-exp of each row."""
+
+    @staticmethod
+    def forward(ctx, logits_NO, targets_N):
+        loss_N, lse_N = compiled.load("loss").forward(logits_NO, targets_N, IGNORE_INDEX)
+        ctx.save_for_backward(logits_NO, targets_N, lse_N)
+        return loss_N
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_N):
+        logits_NO, targets_N, lse_N = ctx.saved_tensors
+        return compiled.load("loss").backward(logits_NO, targets_N, lse_N, grad_N.contiguous(), IGNORE_INDEX), None

@@ -161,7 +161,9 @@ def test_short_sequence_pads_to_whole_sub_chunks(monkeypatch, op, T, chunk_size,
     seen = []
     function = chunk_module.cpu.CpuChunkKDAFunction if op == "compiled" else chunk_module.ChunkKDAFunction
     apply = function.apply
-    monkeypatch.setattr(function, "apply", lambda *a: seen.append(a[0].shape[-2]) or apply(*a))
+    # the chunk length: C of the torch path's [B,H,U,C,K]; the kernel's argument beside its [B,T,H,K] inputs
+    length = (lambda a: a[7]) if op == "compiled" else (lambda a: a[0].shape[-2])
+    monkeypatch.setattr(function, "apply", lambda *a: seen.append(length(a)) or apply(*a))
     inputs = make_inputs(T)
     o, S = run(op, inputs, chunk_size=chunk_size)
     o_ref, S_ref = reference(inputs)

@@ -52,13 +52,18 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         step = math.gcd(chunk_size, SUB_CHUNK)
         chunk_size = -(-T // step) * step
     keep_BU = None if reset_chunks is None else (~reset_chunks).to(S_BHKV)
-    chunks = [_to_chunks(x, chunk_size) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH[..., None])]
     sub_chunk = math.gcd(chunk_size, SUB_CHUNK)
-    if _use_compiled(backend, g_BTHK, sub_chunk):
-        o_BHUCV, S_BHKV = cpu.CpuChunkKDAFunction.apply(*chunks, S_BHKV, keep_BU, sub_chunk)
+    inputs = (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH)
+    if _use_compiled(backend, g_BTHK, sub_chunk):  # the kernel reads the token-major layout itself
+        pad = -T % chunk_size  # zero steps at the end (§3.5); packed rows come re-laid to whole chunks already
+        padded = (x if pad == 0 else F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) for x in inputs)
+        o_BTHV, S_BHKV = cpu.CpuChunkKDAFunction.apply(*(x.contiguous() for x in padded), S_BHKV, keep_BU,
+                                                       chunk_size, sub_chunk)
+        o_BTHV = o_BTHV[:, :T]  # drop the padding
     else:
-        o_BHUCV, S_BHKV = ChunkKDAFunction.apply(*chunks, S_BHKV, keep_BU)
-    o_BTHV = o_BHUCV.flatten(2, 3)[:, :, :T].transpose(1, 2)  # drop the padding
+        o_BHUCV, S_BHKV = ChunkKDAFunction.apply(*(_to_chunks(x, chunk_size) for x in inputs[:4]),
+                                                 _to_chunks(beta_BTH[..., None], chunk_size), S_BHKV, keep_BU)
+        o_BTHV = o_BHUCV.flatten(2, 3)[:, :, :T].transpose(1, 2)  # drop the padding
     return o_BTHV.to(out_dtype).contiguous(), (S_BHKV if output_final_state else None)
 
 

@@ -20,30 +20,32 @@ def available() -> bool:
 
 
 class CpuChunkKDAFunction(torch.autograd.Function):
-    """`ChunkKDAFunction`'s contract (chunked q, k, v, g, β, initial state, keep) on the compiled kernel.
+    """`ChunkKDAFunction`'s algorithm (chunks of `chunk_size`, β, initial state, keep) on the compiled kernel, in the
+    token-major layout: q, k, g [B,T,H,K], v [B,T,H,V], β [B,T,H], T a multiple of `chunk_size` (the kernel copies
+    each chunk's rows into contiguous blocks itself: no transposed copy of the sequence); o [B,T,H,V].
 
     Saves the inputs with e^g in place of g and the state entering every chunk; the kernel's backward recomputes
     the intra-chunk quantities chunk by chunk.
     """
 
     @staticmethod
-    def forward(ctx, q_BHUCK, k_BHUCK, v_BHUCV, g_BHUCK, beta_BHUC1, S_BHKV, keep_BU, sub_chunk):
-        eg_BHUCK = g_BHUCK.exp()
-        o_BHUCV, S_BHKV, S_in_BHUKV = compiled.load("kda").forward(
-            q_BHUCK, k_BHUCK, v_BHUCV, eg_BHUCK, beta_BHUC1, S_BHKV.contiguous(), keep_BU, sub_chunk)
-        ctx.save_for_backward(q_BHUCK, k_BHUCK, v_BHUCV, eg_BHUCK, beta_BHUC1, S_in_BHUKV)
-        ctx.keep_BU, ctx.sub_chunk = keep_BU, sub_chunk
+    def forward(ctx, q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV, keep_BU, chunk_size, sub_chunk):
+        eg_BTHK = g_BTHK.exp()
+        o_BTHV, S_BHKV, S_in_BHUKV = compiled.load("kda").forward(
+            q_BTHK, k_BTHK, v_BTHV, eg_BTHK, beta_BTH, S_BHKV.contiguous(), keep_BU, chunk_size, sub_chunk)
+        ctx.save_for_backward(q_BTHK, k_BTHK, v_BTHV, eg_BTHK, beta_BTH, S_in_BHUKV)
+        ctx.keep_BU, ctx.chunk_size, ctx.sub_chunk = keep_BU, chunk_size, sub_chunk
         ctx.set_materialize_grads(False)
-        return o_BHUCV, S_BHKV
+        return o_BTHV, S_BHKV
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, do_BHUCV, dS_end_BHKV):
-        q_BHUCK, k_BHUCK, v_BHUCV, eg_BHUCK, beta_BHUC1, S_in_BHUKV = ctx.saved_tensors
-        do_BHUCV = torch.zeros_like(v_BHUCV) if do_BHUCV is None else do_BHUCV.contiguous()
+    def backward(ctx, do_BTHV, dS_end_BHKV):
+        q_BTHK, k_BTHK, v_BTHV, eg_BTHK, beta_BTH, S_in_BHUKV = ctx.saved_tensors
+        do_BTHV = torch.zeros_like(v_BTHV) if do_BTHV is None else do_BTHV.contiguous()
         dS_end_BHKV = (torch.zeros_like(S_in_BHUKV[:, :, 0]) if dS_end_BHKV is None
                        else dS_end_BHKV.contiguous())
         dq, dk, dv, dg, dbeta, dS = compiled.load("kda").backward(
-            q_BHUCK, k_BHUCK, v_BHUCV, eg_BHUCK, beta_BHUC1, S_in_BHUKV, ctx.keep_BU, do_BHUCV, dS_end_BHKV,
-            ctx.sub_chunk)
-        return dq, dk, dv, dg, dbeta, dS, None, None
+            q_BTHK, k_BTHK, v_BTHV, eg_BTHK, beta_BTH, S_in_BHUKV, ctx.keep_BU, do_BTHV, dS_end_BHKV,
+            ctx.chunk_size, ctx.sub_chunk)
+        return dq, dk, dv, dg, dbeta, dS, None, None, None

@@ -171,31 +171,56 @@ template <typename T> struct IntraChunk {
   }
 };
 
-struct Layout {  // element offsets of chunk n of item (b, h) in the [B,H,U,C,X] inputs
-  int64_t U, C, K, V;
-  int64_t ck(int64_t bh, int64_t n) const { return (bh * U + n) * C * K; }
-  int64_t cv(int64_t bh, int64_t n) const { return (bh * U + n) * C * V; }
-  int64_t c1(int64_t bh, int64_t n) const { return (bh * U + n) * C; }
-  int64_t kv(int64_t bh, int64_t n) const { return (bh * U + n) * K * V; }
+// Where the rows of chunk n of item (b, h) lie in the token-major inputs and outputs [B, T, H, X] (T = U·C, X = K,
+// V or 1 for β): C rows of X numbers, H·X apart. A chunk's rows are copied into (and its results out of) contiguous
+// [C, X] blocks, so no transposed copy of the whole sequence is ever made.
+struct Layout {
+  int64_t U, C, H;
+  int64_t row(int64_t bh, int64_t n, int64_t X) const { return (((bh / H) * U * C + n * C) * H + bh % H) * X; }
+  int64_t kv(int64_t bh, int64_t n, int64_t K, int64_t V) const { return (bh * U + n) * K * V; }
+  template <typename T> void gather(const T *src, int64_t bh, int64_t n, int64_t X, T *dst) const {
+    const T *from = src + row(bh, n, X);
+    for (int64_t r = 0; r < C; ++r) std::copy(from + r * H * X, from + r * H * X + X, dst + r * X);
+  }
+  template <typename T> void scatter(const T *src, int64_t bh, int64_t n, int64_t X, T *dst) const {
+    T *to = dst + row(bh, n, X);
+    for (int64_t r = 0; r < C; ++r) std::copy(src + r * X, src + (r + 1) * X, to + r * H * X);
+  }
+};
+
+// One chunk's inputs in contiguous blocks (see Layout)
+template <typename T> struct ChunkBuffers {
+  std::vector<T> q, k, eg, v, beta;
+  explicit ChunkBuffers(const Sizes &s) : q(s.C * s.K), k(s.C * s.K), eg(s.C * s.K), v(s.C * s.V), beta(s.C) {}
+  ChunkIn<T> load(const Layout &L, const Sizes &s, int64_t bh, int64_t n, const T *q_, const T *k_, const T *eg_,
+                  const T *v_, const T *beta_) {
+    L.gather(q_, bh, n, s.K, q.data());
+    L.gather(k_, bh, n, s.K, k.data());
+    L.gather(eg_, bh, n, s.K, eg.data());
+    L.gather(v_, bh, n, s.V, v.data());
+    L.gather(beta_, bh, n, 1, beta.data());
+    return {q.data(), k.data(), eg.data(), v.data(), beta.data()};
+  }
 };
 
 template <typename T>
-void forward_item(int64_t bh, int64_t H, const Layout &L, const Sizes &s, const T *q, const T *k, const T *eg,
-                  const T *v, const T *beta, const T *keep, T *S, T *S_in, T *o) {
-  const int64_t C = s.C, K = s.K, V = s.V;
+void forward_item(int64_t bh, const Layout &L, const Sizes &s, const T *q, const T *k, const T *eg, const T *v,
+                  const T *beta, const T *keep, T *S, T *S_in, T *o) {
+  const int64_t C = s.C, K = s.K, V = s.V, H = L.H;
   IntraChunk<T> ic(s);
-  std::vector<T> ut(C * V), qd(C * K), kt(C * K);
+  ChunkBuffers<T> buf(s);
+  std::vector<T> ut(C * V), qd(C * K), kt(C * K), o_n(C * V);
   for (int64_t n = 0; n < L.U; ++n) {
     if (keep != nullptr && keep[(bh / H) * L.U + n] == T(0)) std::fill(S, S + K * V, T(0));
-    std::copy(S, S + K * V, S_in + L.kv(bh, n));
-    const ChunkIn<T> in{q + L.ck(bh, n), k + L.ck(bh, n), eg + L.ck(bh, n), v + L.cv(bh, n), beta + L.c1(bh, n)};
+    std::copy(S, S + K * V, S_in + L.kv(bh, n, K, V));
+    const ChunkIn<T> in = buf.load(L, s, bh, n, q, k, eg, v, beta);
     ic.compute(in);
     std::copy(ic.Uv.begin(), ic.Uv.end(), ut.begin());
     gemm(false, false, C, V, K, T(-1), ic.W.data(), K, S, V, T(1), ut.data(), V);  // Ũ = U − W S
     mul(qd.data(), in.q, ic.decay.data(), C * K);
-    T *o_n = o + L.cv(bh, n);
-    gemm(false, false, C, V, K, T(1), qd.data(), K, S, V, T(0), o_n, V);  // O = (Q ⊙ e^b) S + M Ũ
-    gemm(false, false, C, V, C, T(1), ic.M.data(), C, ut.data(), V, T(1), o_n, V);
+    gemm(false, false, C, V, K, T(1), qd.data(), K, S, V, T(0), o_n.data(), V);  // O = (Q ⊙ e^b) S + M Ũ
+    gemm(false, false, C, V, C, T(1), ic.M.data(), C, ut.data(), V, T(1), o_n.data(), V);
+    L.scatter(o_n.data(), bh, n, V, o);
     const T *decay_end = ic.decay.data() + (C - 1) * K;  // S ← Diag(e^{b_C}) S + (K ⊙ e^{b_C − b})ᵀ Ũ
     for (int64_t c = 0; c < K; ++c)
       for (int64_t j = 0; j < V; ++j) S[c * V + j] *= decay_end[c];
@@ -311,21 +336,29 @@ template <typename T> struct ChunkBackward {
 };
 
 template <typename T>
-void backward_item(int64_t bh, int64_t H, const Layout &L, const Sizes &s, const T *q, const T *k, const T *eg,
-                   const T *v, const T *beta, const T *keep, const T *S_in, const T *dO, T *dS, T *dq, T *dk,
-                   T *dv, T *dg, T *dbeta) {
+void backward_item(int64_t bh, const Layout &L, const Sizes &s, const T *q, const T *k, const T *eg, const T *v,
+                   const T *beta, const T *keep, const T *S_in, const T *dO, T *dS, T *dq, T *dk, T *dv, T *dg,
+                   T *dbeta) {
+  const int64_t C = s.C, K = s.K, V = s.V;
   ChunkBackward<T> cb(s);
+  ChunkBuffers<T> buf(s);
+  std::vector<T> dO_n(C * V), dq_n(C * K), dk_n(C * K), dv_n(C * V), dg_n(C * K), dbeta_n(C);
   for (int64_t n = L.U - 1; n >= 0; --n) {
-    const ChunkIn<T> in{q + L.ck(bh, n), k + L.ck(bh, n), eg + L.ck(bh, n), v + L.cv(bh, n), beta + L.c1(bh, n)};
-    cb.run(in, S_in + L.kv(bh, n), dO + L.cv(bh, n), dS, dq + L.ck(bh, n), dk + L.ck(bh, n), dv + L.cv(bh, n),
-           dg + L.ck(bh, n), dbeta + L.c1(bh, n));
-    if (keep != nullptr && keep[(bh / H) * L.U + n] == T(0)) std::fill(dS, dS + s.K * s.V, T(0));
+    const ChunkIn<T> in = buf.load(L, s, bh, n, q, k, eg, v, beta);
+    L.gather(dO, bh, n, V, dO_n.data());
+    cb.run(in, S_in + L.kv(bh, n, K, V), dO_n.data(), dS, dq_n.data(), dk_n.data(), dv_n.data(), dg_n.data(),
+           dbeta_n.data());
+    L.scatter(dq_n.data(), bh, n, K, dq);
+    L.scatter(dk_n.data(), bh, n, K, dk);
+    L.scatter(dv_n.data(), bh, n, V, dv);
+    L.scatter(dg_n.data(), bh, n, K, dg);
+    L.scatter(dbeta_n.data(), bh, n, 1, dbeta);
+    if (keep != nullptr && keep[(bh / L.H) * L.U + n] == T(0)) std::fill(dS, dS + K * V, T(0));
   }
 }
 
-Sizes sizes_of(const torch::Tensor &q, const torch::Tensor &v, int64_t Z) {
-  const int64_t C = q.size(3);
-  return Sizes{C, q.size(4), v.size(4), Z, C / Z};
+Sizes sizes_of(const torch::Tensor &q, const torch::Tensor &v, int64_t C, int64_t Z) {
+  return Sizes{C, q.size(3), v.size(3), Z, C / Z};
 }
 
 void check(const std::vector<torch::Tensor> &ts, const torch::Tensor &keep) {
@@ -337,15 +370,24 @@ void check(const std::vector<torch::Tensor> &ts, const torch::Tensor &keep) {
               "kda cpu kernel: keep must be contiguous in the compute dtype");
 }
 
-// (o [B,H,U,C,V], final state [B,H,K,V], state entering every chunk [B,H,U,K,V])
+// The layout every entry point checks: q, k, e^g [B,T,H,K], v [B,T,H,V], β [B,T,H], T a multiple of C, C of Z
+Layout layout_of(const torch::Tensor &q, const torch::Tensor &v, const torch::Tensor &beta, int64_t C, int64_t Z) {
+  TORCH_CHECK(q.dim() == 4 && v.dim() == 4 && beta.dim() == 3 && C > 0 && Z > 0 && C % Z == 0 &&
+                  q.size(1) % C == 0 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3) &&
+                  beta.sizes() == q.sizes().slice(0, 3),
+              "kda cpu kernel: q, k, e^g [B,T,H,K], v [B,T,H,V], beta [B,T,H] with T a multiple of the chunk size");
+  return Layout{q.size(1) / C, C, q.size(2)};
+}
+
+// (o [B,T,H,V], final state [B,H,K,V], state entering every chunk [B,H,U,K,V])
 std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor eg,
                                    torch::Tensor beta, torch::Tensor S0, c10::optional<torch::Tensor> keep_opt,
-                                   int64_t Z) {
+                                   int64_t C, int64_t Z) {
   const torch::Tensor keep = keep_opt.has_value() ? keep_opt.value() : torch::Tensor();
   check({q, k, v, eg, beta, S0}, keep);
-  const int64_t B = q.size(0), H = q.size(1), U = q.size(2);
-  const Sizes s = sizes_of(q, v, Z);
-  const Layout L{U, s.C, s.K, s.V};
+  const Layout L = layout_of(q, v, beta, C, Z);
+  const int64_t B = q.size(0), H = L.H, U = L.U;
+  const Sizes s = sizes_of(q, v, C, Z);
   auto o = torch::empty_like(v);
   auto S = S0.clone();
   auto S_in = torch::empty({B, H, U, s.K, s.V}, q.options());
@@ -353,7 +395,7 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
     const scalar_t *keep_p = keep.defined() ? keep.data_ptr<scalar_t>() : nullptr;
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
       for (int64_t bh = begin; bh < end; ++bh)
-        forward_item<scalar_t>(bh, H, L, s, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), eg.data_ptr<scalar_t>(),
+        forward_item<scalar_t>(bh, L, s, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), eg.data_ptr<scalar_t>(),
                                v.data_ptr<scalar_t>(), beta.data_ptr<scalar_t>(), keep_p,
                                S.data_ptr<scalar_t>() + bh * s.K * s.V, S_in.data_ptr<scalar_t>(),
                                o.data_ptr<scalar_t>());
@@ -365,12 +407,13 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
 // (dq, dk, dv, dg, dβ, dS0)
 std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor eg,
                                     torch::Tensor beta, torch::Tensor S_in, c10::optional<torch::Tensor> keep_opt,
-                                    torch::Tensor dO, torch::Tensor dS_end, int64_t Z) {
+                                    torch::Tensor dO, torch::Tensor dS_end, int64_t C, int64_t Z) {
   const torch::Tensor keep = keep_opt.has_value() ? keep_opt.value() : torch::Tensor();
   check({q, k, v, eg, beta, S_in, dO, dS_end}, keep);
-  const int64_t B = q.size(0), H = q.size(1), U = q.size(2);
-  const Sizes s = sizes_of(q, v, Z);
-  const Layout L{U, s.C, s.K, s.V};
+  const Layout L = layout_of(q, v, beta, C, Z);
+  TORCH_CHECK(dO.sizes() == v.sizes(), "kda cpu kernel: dO must have v's shape");
+  const int64_t B = q.size(0), H = L.H;
+  const Sizes s = sizes_of(q, v, C, Z);
   auto dq = torch::empty_like(q), dk = torch::empty_like(k), dv = torch::empty_like(v), dg = torch::empty_like(eg);
   auto dbeta = torch::empty_like(beta);
   auto dS = dS_end.clone();
@@ -378,7 +421,7 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
     const scalar_t *keep_p = keep.defined() ? keep.data_ptr<scalar_t>() : nullptr;
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
       for (int64_t bh = begin; bh < end; ++bh)
-        backward_item<scalar_t>(bh, H, L, s, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), eg.data_ptr<scalar_t>(),
+        backward_item<scalar_t>(bh, L, s, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), eg.data_ptr<scalar_t>(),
                                 v.data_ptr<scalar_t>(), beta.data_ptr<scalar_t>(), keep_p, S_in.data_ptr<scalar_t>(),
                                 dO.data_ptr<scalar_t>(), dS.data_ptr<scalar_t>() + bh * s.K * s.V,
                                 dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),

@@ -32,11 +32,16 @@ class LayerTensors:
 
     def __init__(self, layer: nn.Module):
         self.modules = list(layer.modules())
+        self.hook_registries = [hooks for m in self.modules for hooks in (m._forward_hooks, m._forward_pre_hooks)]
         self.tensors = {**dict(layer.named_parameters()), **dict(layer.named_buffers())}
         registries = [registry for m in self.modules for registry in (m._modules, m._parameters, m._buffers)]
         entries = [(registry, key, value) for registry in registries for key, value in registry.items()]
         self._registries, self._sizes = registries, [len(registry) for registry in registries]
         self._owners, self._keys, self._values = (list(column) for column in zip(*entries))
+
+    def hooked(self) -> bool:
+        """`compiled.hooked` of the layer's modules, over their hook registries collected once."""
+        return compiled.hooked() or any(self.hook_registries)
 
     def current(self) -> bool:
         """Every registry of the same size holding the same objects: a few C-level passes (this runs every step)."""
@@ -91,9 +96,11 @@ def layer_step(layer: nn.Module, cur_BTD: torch.Tensor, bank: list[torch.Tensor]
         return None
     held = layer_tensors(layer)
     caches = [cache.conv_state_B3WP, cache.recurrent_state_BHKV] if kda else [cache.latent_BSL]
-    if (compiled.hooked(*held.modules) or not all(c.is_contiguous() for c in caches)
-            or not decode.serves(B, cur_BTD, *bank, *caches, *held.tensors.values())):
+    if held.hooked() or not all(c.is_contiguous() for c in caches) or not decode.serves(B, cur_BTD, *bank, *caches):
         return None
+    # the kernel checks the layer's own tensors (fp32, CPU, no tensor subclass) and returns None where one is not
     out_BTD = compiled.load("decode").layer_step(bank, cur_BTD, layer.starts_block, held.tensors, options(config),
                                                  caches, ctx.start)
+    if out_BTD is None:
+        return None
     return out_BTD, bank + [cur_BTD] if layer.starts_block else bank  # a block's first layer banks its input

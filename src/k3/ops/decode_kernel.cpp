@@ -386,6 +386,17 @@ torch::Tensor mla_step(torch::Tensor q, torch::Tensor latent, int64_t S, torch::
 class Weights {
  public:
   explicit Weights(py::dict tensors) : tensors_(std::move(tensors)) {}
+  // whether the kernel takes every tensor: fp32 on the CPU, no tensor subclass that dispatches in Python (a
+  // DTensor, say) — checked here, once per call, at a fraction of the cost of the same checks in Python
+  bool served() const {
+    for (const auto &item : tensors_) {
+      const auto t = item.second.cast<torch::Tensor>();
+      if (t.scalar_type() != torch::kFloat || !t.device().is_cpu() ||
+          t.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python))
+        return false;
+    }
+    return true;
+  }
   bool has(const std::string &name) const { return tensors_.contains(name); }
   torch::Tensor operator()(const std::string &name) const {
     TORCH_CHECK(has(name), "decode kernel: the layer has no tensor ", name);
@@ -490,10 +501,13 @@ torch::Tensor moe(const torch::Tensor &x, const Weights &w, const Options &o) {
 // bank + [cur], input norm, KDA or MLA, the mix of the (new) bank + [prefix], post norm, dense FFN or MoE. `cur`
 // [B, 1, D] is the block's partial sum (the embedding before layer 0); a layer that starts a block banks it first
 // (the caller appends it to its bank). `cache`: [conv_state, state] (KDA) or [latent] (MLA), updated in place at
-// position `start`. Returns the new partial sum.
-torch::Tensor layer_step(std::vector<torch::Tensor> bank, torch::Tensor cur, bool starts_block, py::dict tensors,
-                         py::dict options, std::vector<torch::Tensor> cache, int64_t start) {
+// position `start`. Returns the new partial sum, or None (nothing done) where the kernel does not take the layer's
+// tensors (`Weights::served`).
+c10::optional<torch::Tensor> layer_step(std::vector<torch::Tensor> bank, torch::Tensor cur, bool starts_block,
+                                        py::dict tensors, py::dict options, std::vector<torch::Tensor> cache,
+                                        int64_t start) {
   const Weights w(std::move(tensors));
+  if (!w.served()) return c10::nullopt;
   const Options o(options);
   cur = cur.contiguous();
   bank.push_back(cur);

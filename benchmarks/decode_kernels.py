@@ -54,11 +54,11 @@ class AtenCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def use_kernels(names, layer_calls: bool, build=compiled.build, layer_step=fused_layer.layer_step) -> None:
+def use_kernels(names, layer_calls: bool, build=compiled.build, run_layer=fused_layer._run) -> None:
     """Make `compiled.build` refuse every kernel but `names` (the KDA chunk kernel is prefill-only: kept), and the
-    decoder layers run their modules unless `layer_calls`."""
+    decoder layers run their modules unless `layer_calls` (the stack's step and each layer's own)."""
     compiled.build = lambda name: build(name) if name in names or name == "kda" else (None, "off for comparison")
-    fused_layer.layer_step = layer_step if layer_calls else lambda *args: None
+    fused_layer._run = run_layer if layer_calls else lambda *args: None
 
 
 def decode_steps(model, cache, first_B, steps) -> float:

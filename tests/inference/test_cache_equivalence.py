@@ -153,15 +153,15 @@ def test_which_kda_and_mla_paths_run(tiny_model, monkeypatch):
         calls.append(("absorbed", 1)), fused_mla(self, x_BTD, cache, start))[1])
     monkeypatch.setattr(GatedMLA, "attend_absorbed", spy("absorbed", absorbed, 1))
     monkeypatch.setattr(GatedMLA, "attend_expanded", spy("expanded", expanded, 1))
-    layer_step = fused_layer.layer_step
+    run_layer = fused_layer._run  # the compiled step of one layer, from the stack's step or the layer's own
 
     def layer_spy(*args):
-        out = layer_step(*args)
+        out = run_layer(*args)
         if out is not None:
             calls.append(("layer", 1))
         return out
 
-    monkeypatch.setattr(fused_layer, "layer_step", layer_spy)
+    monkeypatch.setattr(fused_layer, "_run", layer_spy)
     model = tiny_model(seed=6)
     n_kda, n_mla = len(kda_layers(model)), len(mla_layers(model))
     assert model.model.layers[mla_layers(model)[0]].self_attn.absorbed_max_tokens == 20 * (16 + 12) // (2 * 4)
@@ -177,10 +177,10 @@ def test_which_kda_and_mla_paths_run(tiny_model, monkeypatch):
     assert kinds() == [("absorbed", 8), ("chunk", 8)]
     model(ids[:, 8:9], cache=cache)
     assert kinds() == [("layer", 1)]
-    monkeypatch.setattr(fused_layer, "layer_step", lambda *args: None)  # each module's own one-token path
+    monkeypatch.setattr(fused_layer, "_run", lambda *args: None)  # each module's own one-token path
     model(ids[:, 8:9], cache=copy.deepcopy(cache))
     assert kinds() == [("absorbed", 1), ("recurrent", 1)]
-    monkeypatch.setattr(fused_layer, "layer_step", layer_spy)
+    monkeypatch.setattr(fused_layer, "_run", layer_spy)
     model(ids[:, 9:], cache=cache)  # 71 tokens: past the crossover
     assert kinds() == [("chunk", 71), ("expanded", 71)]
     model(ids[:, :1])  # no cache: a one-token forward is a (trivial) prefill

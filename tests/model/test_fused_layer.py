@@ -27,17 +27,22 @@ FORMS = {  # the K3 form and its switches the compiled step implements
 
 
 def spy_layer_steps(monkeypatch) -> list[int]:
-    """Record the index of each layer the compiled step served."""
-    served, step = [], fused_layer.layer_step
+    """Record the index of each layer the compiled step served (from the whole stack's step or a layer's own)."""
+    served, run = [], fused_layer._run
 
     def spy(layer, *args):
-        out = step(layer, *args)
+        out = run(layer, *args)
         if out is not None:
             served.append(layer.layer_idx)
         return out
 
-    monkeypatch.setattr(fused_layer, "layer_step", spy)
+    monkeypatch.setattr(fused_layer, "_run", spy)
     return served
+
+
+def modules_only(monkeypatch):
+    """No compiled layer step from here on: every layer runs its modules (with their fused operations)."""
+    monkeypatch.setattr(fused_layer, "_run", lambda *args: None)
 
 
 def decode(model, ids, steps: int, mask=None):
@@ -76,7 +81,7 @@ def test_layer_step_matches_the_modules(tiny_model, monkeypatch, form):
         full_logits = model(ids).logits[:, 5:]
     torch.testing.assert_close(logits, full_logits, rtol=1e-4, atol=1e-4)
 
-    monkeypatch.setattr(fused_layer, "layer_step", lambda *args: None)
+    modules_only(monkeypatch)
     module_logits, module_cache = decode(model, ids, steps=5)
     torch.testing.assert_close(logits, module_logits, rtol=1e-6, atol=1e-6)
     assert_same_caches(cache, module_cache, rtol=1e-6, atol=1e-6)
@@ -166,6 +171,34 @@ def test_a_replaced_parameter_or_module_is_read_again(tiny_model, monkeypatch):
     served = spy_layer_steps(monkeypatch)
     logits, _ = decode(model, ids, steps=2)
     assert served
-    monkeypatch.setattr(fused_layer, "layer_step", lambda *args: None)
+    modules_only(monkeypatch)
     twin_logits, _ = decode(twin, ids, steps=2)
     torch.testing.assert_close(logits, twin_logits, rtol=1e-6, atol=1e-6)
+
+
+def test_a_layer_the_kernel_refuses_mid_stack(tiny_model, monkeypatch):
+    """The stack's step runs the layers before one whose tensors the kernel does not take (here a float64 router
+    bias), that layer runs its modules, and the layers after it take their own compiled steps: the logits and caches
+    of the modules' path."""
+    model = tiny_model(seed=26)
+    refused = [layer for layer in model.model.layers if hasattr(layer, "block_sparse_moe")][1]
+    gate = refused.block_sparse_moe.gate
+    gate.e_score_correction_bias = gate.e_score_correction_bias.double()
+    stack = []
+    stack_step = fused_layer.stack_step
+    monkeypatch.setattr(fused_layer, "stack_step", lambda *args: _recorded(stack, stack_step, *args))
+    served = spy_layer_steps(monkeypatch)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(26))
+    logits, cache = decode(model, ids, steps=2)
+    assert stack == [0, refused.layer_idx, refused.layer_idx]  # the prefill: none; each step: up to the refused one
+    assert sorted(served) == sorted([i for i in range(len(model.model.layers)) if i != refused.layer_idx] * 2)
+    modules_only(monkeypatch)
+    module_logits, module_cache = decode(model, ids, steps=2)
+    torch.testing.assert_close(logits, module_logits, rtol=1e-6, atol=1e-6)
+    assert_same_caches(cache, module_cache, rtol=1e-6, atol=1e-6)
+
+
+def _recorded(record: list, step, *args):
+    out = step(*args)
+    record.append(out[0])
+    return out

@@ -113,9 +113,13 @@ class K3Model(Observable, nn.Module):
         ctx = step_context(cache, B, T, attention_mask, cur_BTD.device, document_ids)
         if self.training:
             ctx.observers = tuple(self.observers)
-        bank = []
+        # a one-token step: every layer one compiled call, checked once for the whole stack (from layer `done` on,
+        # the layers run themselves)
+        done, cur_BTD, bank = fused_layer.stack_step(self.layers, cur_BTD, cache, ctx)
         recompute = self.gradient_checkpointing and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
+            if i < done:
+                continue
             if recompute:  # the recomputation in backward must not be observed a second time
                 cur_BTD, bank = checkpoint(layer, cur_BTD, bank, None, ctx, use_reentrant=False,
                                            context_fn=lambda: (contextlib.nullcontext(), ctx.muted()))

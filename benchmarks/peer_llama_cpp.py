@@ -18,7 +18,8 @@ At each context depth d (--contexts, tokens already in the cache), in R rounds t
 
 * llama.cpp: `llama-bench -p P -n N -d d -t T -r 1 -o json` (pp: P tokens in one batch on top of d; tg: N tokens
   decoded one by one on top of d; its own warm-up run first);
-* k3: the cache is filled to d once in chunks (decode.py's `Prefill`) and warmed up by one repetition; each round
+* k3 (weights on 2 MiB pages, `k3.runtime.huge_page_weights`, as `k3 generate` loads them; `--small-pages`: not):
+  the cache is filled to d once in chunks (decode.py's `Prefill`) and warmed up by one repetition; each round
   puts the cache back and runs P tokens in one call, then N greedy one-token decode steps as `generate` does.
   fp32, B=1, no_grad, torch with T threads.
 
@@ -58,6 +59,7 @@ import torch
 from common import CpuWait, machine, print_table
 from decode import Prefill, restore, snapshot
 from k3.config import K3Config
+from k3.runtime import huge_page_weights
 from k3.inference.generate import sample_next_token
 from k3.model import K3ForCausalLM
 from k3.tokenizer import K3Tokenizer, train_bpe
@@ -202,6 +204,8 @@ def main():
     parser.add_argument("--outtype", default="f32", choices=("f32", "f16", "q8_0"), help="GGUF type for llama.cpp")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="pp 64, tg 8, 1 repetition: checks the pipeline")
+    parser.add_argument("--small-pages", action="store_true",
+                        help="keep k3's weights on 4 KiB pages (default: k3.runtime.huge_page_weights, as k3 generate)")
     args = parser.parse_args()
     contexts = args.contexts or ([512] if args.quick else [512, 8192])
     n_prompt, n_gen, reps = (64, 8, 1) if args.quick else (512, 64, 5)
@@ -224,6 +228,7 @@ def main():
             random_k3_small(model_dir)
         gguf = gguf_for(model_dir, args.outtype, src, args.pydeps)
         model = K3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        pages = "2 MiB pages" if not args.small_pages and huge_page_weights(model) else "4 KiB pages"  # as `k3 generate`
         n_params = sum(p.numel() for p in model.parameters()) / 1e6
         check = (check_logits(model, gguf, bin_dir, args.threads) if (bin_dir / "llama-debug").is_file()
                  else "Logits check skipped: llama-debug is not built")
@@ -250,7 +255,8 @@ def main():
             rows.append([depth, *cells])
 
     print(f"\nMachine: {machine()}")
-    print(f"Model: {model_dir} ({n_params:.1f} M parameters); llama.cpp {src}, GGUF {args.outtype}; {args.threads} "
+    print(f"Model: {model_dir} ({n_params:.1f} M parameters; k3's weights on {pages}); llama.cpp {src}, GGUF "
+          f"{args.outtype}; {args.threads} "
           f"threads each; pp = {n_prompt} tokens in one batch, tg = {n_gen} decoded tokens, on top of the context; "
           f"{reps} rounds, each one llama-bench run (its own warm-up first) then one k3 repetition per context (k3 "
           f"warmed up before the first); medians over the rounds; ratio = median of the per-round k3 / llama.cpp")

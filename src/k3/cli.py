@@ -32,7 +32,7 @@ from k3.fileio import describe_error
 from k3.inference import generate
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 from k3.model.accounting import architecture_report, human, published_comparison
-from k3.runtime import keep_freed_memory
+from k3.runtime import huge_page_weights, keep_freed_memory
 from k3.tokenizer import K3Tokenizer
 
 _LABELS = {
@@ -203,6 +203,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.checkpoint} holds a text-only model (no vision_config); --image needs a "
                          "multimodal checkpoint")
     model = (K3ForConditionalGeneration if multimodal else K3ForCausalLM).from_pretrained(args.checkpoint).eval()
+    huge_page_weights(model)  # 2 MiB pages for the weights every token reads (k3.runtime)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
                          f"{model.config.vocab_size}")

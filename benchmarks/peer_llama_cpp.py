@@ -23,7 +23,9 @@ At each context depth d (--contexts, tokens already in the cache), in R rounds t
   puts the cache back and runs P tokens in one call, then N greedy one-token decode steps as `generate` does.
   fp32, B=1, no_grad, torch with T threads.
 
-Reported: the medians over the rounds of each side's tok/s, and ratio = the median of the per-round k3 / llama.cpp
+Reported: the medians over the rounds (--rounds, default 5) of each side's tok/s, and ratio = the median (and the
+range) of the per-round k3 / llama.cpp, each round's pair measured back to back at one context, llama.cpp first in
+even rounds and k3 first in odd ones
 (above 1: k3 faster). "CPU wait" is the share of wall time in which some task waited for a core (Linux PSI); well
 above 0 % means other processes competed and the numbers are inflated.
 
@@ -204,11 +206,12 @@ def main():
     parser.add_argument("--outtype", default="f32", choices=("f32", "f16", "q8_0"), help="GGUF type for llama.cpp")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="pp 64, tg 8, 1 repetition: checks the pipeline")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the full run (default 5)")
     parser.add_argument("--small-pages", action="store_true",
                         help="keep k3's weights on 4 KiB pages (default: k3.runtime.huge_page_weights, as k3 generate)")
     args = parser.parse_args()
     contexts = args.contexts or ([512] if args.quick else [512, 8192])
-    n_prompt, n_gen, reps = (64, 8, 1) if args.quick else (512, 64, 5)
+    n_prompt, n_gen, reps = (64, 8, 1) if args.quick else (512, 64, args.rounds)
 
     build = Path(args.llama_cpp)
     bin_dir, cmake_cache = build / "bin", build / "CMakeCache.txt"
@@ -228,7 +231,8 @@ def main():
             random_k3_small(model_dir)
         gguf = gguf_for(model_dir, args.outtype, src, args.pydeps)
         model = K3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        pages = "2 MiB pages" if not args.small_pages and huge_page_weights(model) else "4 KiB pages"  # as `k3 generate`
+        huge = not args.small_pages and huge_page_weights(model)  # as `k3 generate` does
+        pages = "2 MiB pages" if huge else "4 KiB pages"
         n_params = sum(p.numel() for p in model.parameters()) / 1e6
         check = (check_logits(model, gguf, bin_dir, args.threads) if (bin_dir / "llama-debug").is_file()
                  else "Logits check skipped: llama-debug is not built")
@@ -237,11 +241,14 @@ def main():
         start, cpu_wait = time.perf_counter(), CpuWait()
         ours = {depth: K3Speeds(model, depth, n_prompt, n_gen) for depth in contexts}
         runs = []  # per round: {(depth, "pp" | "tg"): (k3 tok/s, llama.cpp tok/s)}
-        for _ in range(reps):  # the two alternate, so a drift of the machine's speed reaches both alike
-            theirs = llama_bench(bin_dir, gguf, contexts, n_prompt, n_gen, 1, args.threads, args.outtype)
-            run = {}
+        for r in range(reps):  # the two alternate per context, so a drift of the machine's speed reaches both alike;
+            run = {}  # who goes first alternates too (what ran just before can slow a run down on a small VM)
             for depth, speeds in ours.items():
-                pp, tg = speeds.once()
+                if r % 2:
+                    pp, tg = speeds.once()
+                theirs = llama_bench(bin_dir, gguf, [depth], n_prompt, n_gen, 1, args.threads, args.outtype)
+                if not r % 2:
+                    pp, tg = speeds.once()
                 run[depth, "pp"], run[depth, "tg"] = (pp, theirs[depth, "pp"]), (tg, theirs[depth, "tg"])
             runs.append(run)
         rows = []
@@ -249,17 +256,19 @@ def main():
             cells = []
             for kind, digits in (("pp", 1), ("tg", 2)):
                 pairs = [run[depth, kind] for run in runs]
+                ratios = [k / t for k, t in pairs]
                 cells += [f"{statistics.median(k for k, _ in pairs):,.{digits}f}",
                           f"{statistics.median(t for _, t in pairs):,.{digits}f}",
-                          f"{statistics.median(k / t for k, t in pairs):.2f}"]
+                          f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"]
             rows.append([depth, *cells])
 
     print(f"\nMachine: {machine()}")
     print(f"Model: {model_dir} ({n_params:.1f} M parameters; k3's weights on {pages}); llama.cpp {src}, GGUF "
           f"{args.outtype}; {args.threads} "
           f"threads each; pp = {n_prompt} tokens in one batch, tg = {n_gen} decoded tokens, on top of the context; "
-          f"{reps} rounds, each one llama-bench run (its own warm-up first) then one k3 repetition per context (k3 "
-          f"warmed up before the first); medians over the rounds; ratio = median of the per-round k3 / llama.cpp")
+          f"{reps} rounds, each per context one llama-bench run (its own warm-up first) and one k3 repetition (k3 "
+          f"warmed up before the first), llama.cpp first in even rounds, k3 in odd ones; medians over the rounds; ratio = median (range) of the per-round "
+          f"k3 / llama.cpp")
     print(check + "\n")
     print_table(["context", "k3 prefill tok/s", "llama.cpp prefill tok/s", "ratio", "k3 decode tok/s",
                  "llama.cpp decode tok/s", "ratio"], rows, "rrrrrrr")

@@ -202,3 +202,16 @@ def _recorded(record: list, step, *args):
     out = step(*args)
     record.append(out[0])
     return out
+
+
+def test_a_module_class_reassigned_after_a_step_runs_its_modules(tiny_model, monkeypatch):
+    """The form is judged once per collection of the layers' tensors; reassigning a module's class in place (no
+    registry changes) collects them again, so a subclassed experts module then runs its modules."""
+    model = tiny_model(seed=27)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(27))
+    decode(model, ids[:, :7], steps=1)  # collected, every layer served
+    moe_layers = [layer for layer in model.model.layers if hasattr(layer, "block_sparse_moe")]
+    moe_layers[0].block_sparse_moe.experts.__class__ = type("Subclass", (RoutedExperts,), {})
+    served = spy_layer_steps(monkeypatch)
+    decode(model, ids, steps=1)
+    assert sorted(served) == [i for i in range(len(model.model.layers)) if i != moe_layers[0].layer_idx]

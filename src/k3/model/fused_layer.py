@@ -38,6 +38,7 @@ class LayerTensors:
         entries = [(registry, key, value) for registry in registries for key, value in registry.items()]
         self._registries, self._sizes = registries, [len(registry) for registry in registries]
         self._owners, self._keys, self._values = (list(column) for column in zip(*entries))
+        self._classes = list(map(type, self.modules))  # a module's class can be reassigned in place
         self._forms: dict[tuple, bool] = {}  # whether every layer is of a form the step implements, by config key
 
     def hooked(self) -> bool:
@@ -45,9 +46,11 @@ class LayerTensors:
         return compiled.hooked() or any(self.hook_registries)
 
     def current(self) -> bool:
-        """Every registry of the same size holding the same objects: a few C-level passes (this runs every step)."""
+        """Every registry of the same size holding the same objects, every module of the same class: a few C-level
+        passes (this runs every step)."""
         return (list(map(len, self._registries)) == self._sizes
-                and all(map(operator.is_, map(dict.get, self._owners, self._keys), self._values)))
+                and all(map(operator.is_, map(dict.get, self._owners, self._keys), self._values))
+                and list(map(type, self.modules)) == self._classes)
 
     def takes(self, config: K3Config, layers: list[nn.Module]) -> bool:
         """`takes_layer` of every layer: the modules' classes are fixed while `current()`, so the answer is kept per
@@ -101,16 +104,17 @@ def _caches(cache: KDACache | MLACache) -> list[torch.Tensor]:
     return [cache.conv_state_B3WP, cache.recurrent_state_BHKV] if isinstance(cache, KDACache) else [cache.latent_BSL]
 
 
-def _applies(config: K3Config, cur_BTD: torch.Tensor, caches: list, ctx: StepContext | None, held: LayerTensors,
-             layers: list[nn.Module]) -> bool:
+def _applies(config: K3Config, cur_BTD: torch.Tensor, bank: list[torch.Tensor], caches: list[torch.Tensor],
+             ctx: StepContext | None, held: LayerTensors, layers: list[nn.Module]) -> bool:
     """Whether the compiled step may run these layers: one new token per sequence, a cache, no padding or packed
     documents, no training observers, the layers' forms (`takes_layer`), no forward hook on any of their modules, KDA
-    on the CPU path, and activations and caches the decode kernel serves (the kernel checks the weights itself)."""
+    on the CPU path, contiguous caches, and activations and caches the decode kernel serves (the kernel checks the
+    weights itself)."""
     B, T = cur_BTD.shape[:2]
     return (T == 1 and ctx is not None and ctx.valid_BT is None and ctx.key_valid_BS is None
             and ctx.document_ids_BT is None and not ctx.observers and held.takes(config, layers)
             and not use_fla(config.kda_impl, cur_BTD.device) and not held.hooked()
-            and all(c.is_contiguous() for c in caches) and decode.serves(B, cur_BTD, *caches))
+            and all(c.is_contiguous() for c in caches) and decode.serves(B, cur_BTD, *bank, *caches))
 
 
 def _run(layer: nn.Module, tensors: dict, opts: dict, cur_BTD: torch.Tensor, bank: list[torch.Tensor],
@@ -130,7 +134,7 @@ def layer_step(layer: nn.Module, cur_BTD: torch.Tensor, bank: list[torch.Tensor]
         return None
     held, caches = held_tensors(layer, [layer]), _caches(cache)
     config = layer.self_attn.config
-    if not _applies(config, cur_BTD, caches + list(bank), ctx, held, [layer]):
+    if not _applies(config, cur_BTD, bank, caches, ctx, held, [layer]):
         return None
     return _run(layer, held.tensors[0], options(config), cur_BTD, bank, caches, ctx.start)
 
@@ -146,7 +150,7 @@ def stack_step(layers: nn.ModuleList, cur_BTD: torch.Tensor, cache: K3Cache | No
     stack = list(layers)
     held, caches = held_tensors(layers, stack), [_caches(c) for c in cache.layers]
     config = stack[0].self_attn.config
-    if not _applies(config, cur_BTD, [c for layer_caches in caches for c in layer_caches], ctx, held, stack):
+    if not _applies(config, cur_BTD, bank, [c for layer_caches in caches for c in layer_caches], ctx, held, stack):
         return 0, cur_BTD, bank
     opts = options(config)
     for i, (layer, tensors, layer_caches) in enumerate(zip(stack, held.tensors, caches)):

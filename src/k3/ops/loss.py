@@ -34,14 +34,14 @@ def next_token_loss(logits_BTO: torch.Tensor, targets_BT: torch.Tensor) -> torch
     """Mean fp32 cross-entropy of `logits_BTO` [B, T, V] against `targets_BT` [B, T] (already shifted: position t
     is scored on the token of t+1), IGNORE_INDEX skipped. With no scored target at all the loss is defined as 0
     (still connected to the graph, so `backward` works) and a warning is issued."""
-    if not bool((targets_BT != IGNORE_INDEX).any()):
+    scored = (targets_BT != IGNORE_INDEX).sum()
+    if not bool(scored):
         warnings.warn("every label is the ignore index (-100): the loss is 0", stacklevel=3)
         return logits_BTO.sum().float() * 0.0
     logits_NO, targets_N = fp32(logits_BTO).flatten(0, 1), targets_BT.flatten()
     if not compiled.serves("loss", logits_NO) or targets_N.dtype != torch.int64:
         return F.cross_entropy(logits_NO, targets_N, ignore_index=IGNORE_INDEX)
-    loss_N = _CrossEntropyFunction.apply(logits_NO.contiguous(), targets_N.contiguous())
-    return loss_N.sum() / (targets_N != IGNORE_INDEX).sum()
+    return _CrossEntropyFunction.apply(logits_NO.contiguous(), targets_N.contiguous()).sum() / scored
 
 
 class _CrossEntropyFunction(torch.autograd.Function):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3.model.mla import GatedMLA
+from k3.model.mla import GatedMLA, attention_mask
 from k3.model.observer import ForwardObserver
 from k3.ops.precision import fp32
 
@@ -114,9 +114,9 @@ def mla_max_logits(mla: GatedMLA, x_BTD: torch.Tensor, document_ids_BT: torch.Te
     q_BHTQ = (fp32(torch.cat([q_nope_BTHK, q_pe_BTHR], dim=-1)) * mla.scale).transpose(1, 2).contiguous()
     k_BTHQ = torch.cat([k_nope_BTHK, k_pe_BTR[:, :, None].expand(B, T, H, R)], dim=-1)
     k_BHQT = fp32(k_BTHQ).permute(0, 2, 3, 1).contiguous()
-    valid_BTT = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()[None]
-    if document_ids_BT is not None:
-        valid_BTT = valid_BTT & (document_ids_BT[:, :, None] == document_ids_BT[:, None, :])
+    mask_B1TT = attention_mask(T, 0, None, x_BTD.device, document_ids_BT)  # None: plain causal
+    valid_BTT = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()[None] if mask_B1TT is None \
+        else mask_B1TT[:, 0]
     left_out_BTT = torch.zeros(valid_BTT.shape, device=x_BTD.device).masked_fill_(~valid_BTT, float("-inf"))
     max_H = torch.full((H,), float("-inf"), device=x_BTD.device)
     for b in range(B):  # −inf + s = −inf: the pairs left out never win

@@ -25,6 +25,7 @@ void check(std::initializer_list<std::pair<const torch::Tensor *, const char *>>
 }
 
 using k3::dot;
+using k3::rows_dot;
 using k3::sigmoid;
 
 using k3::inverse_norm;
@@ -224,18 +225,19 @@ torch::Tensor moe_routed(torch::Tensor x, torch::Tensor z, torch::Tensor gate_w,
   const float *zp = z.data_ptr<float>(), *w1p = w1.data_ptr<float>(), *w3p = w3.data_ptr<float>(),
               *w2p = w2.data_ptr<float>();
   at::parallel_for(0, A * M, 16, [&](int64_t begin, int64_t end) {  // gate and up rows of every chosen expert
-    for (int64_t r = begin; r < end; ++r) {
+    for (int64_t r = begin, n; r < end; r += n) {  // the part of [begin, end) in each chosen expert
       const Expert &c = chosen[r / M];
       const int64_t row = c.id * M + r % M;
-      h[r] = dot(w1p + row * L, zp + c.row * L, L);
-      u[r] = dot(w3p + row * L, zp + c.row * L, L);
+      n = std::min(end, (r / M + 1) * M) - r;
+      rows_dot(w1p + row * L, n, L, zp + c.row * L, h.data() + r);
+      rows_dot(w3p + row * L, n, L, zp + c.row * L, u.data() + r);
     }
   });
   glu(h.data(), u.data(), A * M, {situ, static_cast<float>(beta1), static_cast<float>(beta2)});
   at::parallel_for(0, A * L, 16, [&](int64_t begin, int64_t end) {  // down rows
-    for (int64_t r = begin; r < end; ++r) {
-      const Expert &c = chosen[r / L];
-      y[r] = dot(w2p + (c.id * L + r % L) * M, h.data() + (r / L) * M, M);
+    for (int64_t r = begin, n; r < end; r += n) {
+      n = std::min(end, (r / L + 1) * L) - r;
+      rows_dot(w2p + (chosen[r / L].id * L + r % L) * M, n, M, h.data() + (r / L) * M, y.data() + r);
     }
   });
   auto out = torch::zeros({N, L}, x.options());
@@ -359,7 +361,7 @@ torch::Tensor mla_step(torch::Tensor q, torch::Tensor latent, int64_t S, torch::
     }
   });
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {  // merge the tasks; o = W_UV o_lat, gated
-    std::vector<float> o_lat(C);
+    std::vector<float> o_lat(C), o(Vh);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       float top = -INFINITY, sum = 0.f;
@@ -371,10 +373,8 @@ torch::Tensor mla_step(torch::Tensor q, torch::Tensor latent, int64_t S, torch::
         const float *ot = o_task.data() + (t * Hp + h) * C;
         for (int64_t c = 0; c < C; ++c) o_lat[c] += w * ot[c];
       }
-      for (int64_t v = 0; v < Vh; ++v) {
-        const float o = dot(wp + (h * (N + Vh) + N + v) * C, o_lat.data(), C) / sum;
-        op[bh * Vh + v] = g ? o * sigmoid(g[bh * Vh + v]) : o;
-      }
+      rows_dot(wp + (h * (N + Vh) + N) * C, Vh, C, o_lat.data(), o.data());
+      for (int64_t v = 0; v < Vh; ++v) op[bh * Vh + v] = g ? o[v] / sum * sigmoid(g[bh * Vh + v]) : o[v] / sum;
     }
   });
   return out;

@@ -29,6 +29,31 @@ inline float dot(const float *a, const float *b, int64_t n) {
   return acc;
 }
 
+// y[r] = Σ_j W[r·in + j] x[j] for the `rows` consecutive rows of W (row stride `in`), eight rows at a time with one
+// accumulator each: eight weight streams in flight instead of one (decoding is bound by the weight traffic; 1.2–1.5×
+// the throughput of one row after another on a 2-core Xeon, measured), the rest one by one.
+inline void rows_dot(const float *W, int64_t rows, int64_t in, const float *x, float *y) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t V = Vec::size(), R = 8;
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) {
+    const float *w = W + r * in;
+    Vec s[R];
+    for (int64_t k = 0; k < R; ++k) s[k] = Vec(0.f);
+    int64_t j = 0;
+    for (; j + V <= in; j += V) {
+      const Vec xv = Vec::loadu(x + j);
+      for (int64_t k = 0; k < R; ++k) s[k] = at::vec::fmadd(Vec::loadu(w + k * in + j), xv, s[k]);
+    }
+    for (int64_t k = 0; k < R; ++k) {
+      float acc = at::vec::vec_reduce_all<float>([](Vec &a, Vec &b) { return a + b; }, s[k]);
+      for (int64_t t = j; t < in; ++t) acc += w[k * in + t] * x[t];
+      y[r + k] = acc;
+    }
+  }
+  for (; r < rows; ++r) y[r] = dot(W + r * in, x, in);
+}
+
 // tanh(y) within 1 ulp of the exact value (0.92 measured against float64 over [-12, 12]) at a fraction of SLEEF's
 // cost: |y| < 1: y + y³ P(y²), P of degree 7 fitted by least squares on
 // Chebyshev nodes of y² ∈ [0, 1], weighted for relative error; else sign(y) (1 − 2 / (e^{2|y|} + 1)), where nothing

@@ -10,7 +10,7 @@
 
 namespace {
 
-using k3::dot;
+using k3::rows_dot;
 using k3::grain;
 
 // x [A, in] with its rows sorted by expert, counts[e] of them for expert e; W [E, out, in] -> y [A, out],
@@ -31,9 +31,10 @@ torch::Tensor expert_linear(torch::Tensor x, torch::Tensor W, torch::Tensor coun
   const float *xp = x.data_ptr<float>(), *wp = W.data_ptr<float>();
   float *yp = y.data_ptr<float>();
   at::parallel_for(0, A * out, grain(in), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t a = r / out, i = r % out;
-      yp[r] = dot(wp + (expert[a] * out + i) * in, xp + a * in, in);
+    for (int64_t r = begin, n; r < end; r += n) {  // the part of [begin, end) in each row of x
+      const int64_t a = r / out;
+      n = std::min(end, (a + 1) * out) - r;
+      rows_dot(wp + (expert[a] * out + r % out) * in, n, in, xp + a * in, yp + r);
     }
   });
   return y;

@@ -34,9 +34,10 @@ builds the model, optimisers, balancer and observers exactly as `Trainer.__init_
      embedding, norms, lm_head, cross-entropy, residual adds.
    The profiled steps' total is printed next to the clean median (timer overhead).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/train.py [--quick]
+    PYTHONPATH=src .venv/bin/python benchmarks/train.py [--quick] [--presets k3-small] [--grad-accum N]
 
---quick runs k3-tiny only; --threads N sets torch's thread count. Full run: about 3.5 minutes on 2 idle cores. The
+--quick runs k3-tiny only; --threads N sets torch's thread count; --grad-accum N takes N micro-batches of B×T per
+optimiser step, as a real run does (Muon's Newton–Schulz is a cost per step, not per token). Full run: about 3.5 minutes on 2 idle cores. The
 load average, the CPU idle share before the start and the CPU wait (PSI) of each preset are printed: other processes
 on the cores distort every number (with as many threads as cores, PyTorch's threads wait on each other: steps become
 many times slower).
@@ -108,8 +109,9 @@ class SyntheticText(TextTask):
 class SyntheticTrainer(Trainer):
     """`Trainer` with synthetic batches, on CPU, without run directory: `train_step` is the trainer's own."""
 
-    def __init__(self, preset, batch_size, seq_len, total_steps, seed=0, distributed=None):
+    def __init__(self, preset, batch_size, seq_len, total_steps, seed=0, distributed=None, grad_accum=1):
         self.args = args = TrainArgs(preset=preset, steps=total_steps, batch_size=batch_size, seq_len=seq_len, lr=0.03,
+                                     grad_accum=grad_accum,
                                      out=str(Path(tempfile.gettempdir()) / "k3-train-bench-no-run"), seed=seed,
                                      ep=distributed.ep if distributed else 1).for_new_run()  # defaults filled
         self.out = Path(args.out)  # read only if the loss diverges
@@ -202,7 +204,7 @@ class StepProfiler:
             out = fn(*args, **kwargs)
             end = time.perf_counter()
             self._add(name, end - start)
-            self.stamps[name + " start"], self.stamps[name + " end"] = start, end
+            self.stamps.setdefault(name + " start", start)  # the first call's (micro-batches: one forward each)
             return out
         return timed
 
@@ -239,7 +241,7 @@ class StepProfiler:
             comp[kind] = (fwd - self.times.get(observer, 0.0), bwd)
         kda_core = comp.pop("KDA core")  # nested inside the KDA window: reported, not summed
         forward = self.times.pop("forward")
-        backward = self.stamps["clip start"] - self.stamps["forward end"]
+        backward = self.stamps["clip start"] - self.stamps["forward start"] - forward  # all micro-batches
         inner_fwd = sum(f for f, _ in comp.values()) + self.times.get("QB statistics", 0.0) \
             + self.times.get("QK-Clip max logits", 0.0)
         comp["rest of fwd/bwd"] = (forward - inner_fwd, backward - sum(b for _, b in comp.values()))
@@ -299,10 +301,10 @@ def idle_percent(seconds=2.0):
     return 100 * (idle1 - idle0) / max(total1 - total0, 1)
 
 
-def bench_preset(name):
+def bench_preset(name, accum=1):
     B, T = PRESETS[name]
     warmup, timed, profiled = STEPS[name]
-    trainer = SyntheticTrainer(name, B, T, total_steps=warmup + timed + profiled + 10)
+    trainer = SyntheticTrainer(name, B, T, total_steps=warmup + timed + profiled + 10, grad_accum=accum)
     config = trainer.config
     params = count_parameters(trainer.model, config)
     layers = trainer.model.model.layers
@@ -311,7 +313,7 @@ def bench_preset(name):
                 "dense MLP": sum(hasattr(l, "mlp") for l in layers), "AttnRes": 2 * len(layers)}
     print(f"{name}: {params.total_params / 1e6:.1f} M parameters ({params.activated_params / 1e6:.1f} M activated), "
           f"{n_layers['KDA']} KDA + {n_layers['MLA']} MLA layers, {n_layers['MoE']} MoE + "
-          f"{n_layers['dense MLP']} dense FFN; B×T = {B}×{T}; load {load()}", flush=True)
+          f"{n_layers['dense MLP']} dense FFN; B×T = {B}×{T}, {accum} micro-batch(es) a step; load {load()}", flush=True)
 
     wait = CpuWait()
     peak = matmul_peak_gflops()
@@ -342,20 +344,20 @@ def bench_preset(name):
     print(f"  {profiled} profiled steps: {', '.join(f'{1e3 * t:.0f}' for _, t in runs)} ms; loss "
           f"{losses[0]:.3f} → {losses[-1]:.3f}; load {load()}; CPU wait {wait}", flush=True)
 
-    tokens = B * T
+    tokens = B * T * accum
     fwd_per_token = forward_flops_per_token(config, params, T)
     matmul_per_token = 2 * (params.activated_params - params.activated["norms_attn_res"])
     model_flops = 3 * fwd_per_token * tokens
     ns_flops = newton_schulz_flops(trainer.optimizers[0])
     achieved = model_flops / step_s / 1e9
     throughput = [
-        name, f"{B}×{T}", f"{params.total_params / 1e6:.1f} / {params.activated_params / 1e6:.1f}",
+        name, f"{B}×{T}" + (f" ×{accum}" if accum > 1 else ""), f"{params.total_params / 1e6:.1f} / {params.activated_params / 1e6:.1f}",
         f"{1e3 * step_s:,.0f}", f"{tokens / step_s:,.0f}",
         f"{model_flops / 1e9:,.1f} ({100 * 3 * (fwd_per_token - matmul_per_token) / (3 * fwd_per_token):.0f} %)",
         f"{achieved:.1f}", f"{peak:.1f}", f"{100 * achieved / peak:.1f} %",
         f"{ns_flops / 1e9:,.1f}", f"{(model_flops + ns_flops) / step_s / 1e9:.1f}",
         f"{100 * (model_flops + ns_flops) / step_s / 1e9 / peak:.1f} %",
-        f"{kda_padding_factor(config, B, T, warmup + timed + profiled):.2f}", str(wait),
+        f"{kda_padding_factor(config, B, T, (warmup + timed + profiled) * accum):.2f}", str(wait),
     ]
 
     rows = []
@@ -402,8 +404,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="k3-tiny only")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--presets", nargs="+", choices=list(PRESETS), help="these presets only")
+    parser.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                        help="micro-batches of B×T per optimiser step, as `k3 train --grad-accum` (default 1)")
     args = parser.parse_args()
-    presets = ["k3-tiny"] if args.quick else list(PRESETS)
+    presets = args.presets or (["k3-tiny"] if args.quick else list(PRESETS))
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -415,11 +420,11 @@ def main():
           f"everything: with 2 threads on 2 busy cores PyTorch's threads wait on each other)")
     print("fp32, random init, synthetic tokens (2–3 packed documents per row); Trainer.train_step with Muon "
           "ns_dtype=float32, QK-Clip, QuantileBalancer (qb)\n", flush=True)
-    results = [bench_preset(name) for name in presets]
+    results = [bench_preset(name, args.grad_accum) for name in presets]
     print()
 
     print(f"Throughput: median step time of the clean steps; model GFLOP/step = 3·forward_flops_per_token(T)·B·T "
-          f"(share of MLA-attention + KDA-core terms in brackets); peak = median {PEAK_N}³ fp32 torch.mm (before / "
+          f"(× the micro-batches of a step, B×T ×N) (share of MLA-attention + KDA-core terms in brackets); peak = median {PEAK_N}³ fp32 torch.mm (before / "
           f"after the steps, the higher); NS = Muon's Newton–Schulz FLOPs (not model FLOPs); KDA core tokens = "
           f"rows × the longest row after chunk_kda_by_document re-lays every document on chunk boundaries (each "
           f"padded to a multiple of kda_chunk_size); CPU wait = share of the preset's wall time in which some task waited for a core "

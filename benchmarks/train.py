@@ -37,10 +37,10 @@ builds the model, optimisers, balancer and observers exactly as `Trainer.__init_
     PYTHONPATH=src .venv/bin/python benchmarks/train.py [--quick] [--presets k3-small] [--grad-accum N]
 
 --quick runs k3-tiny only; --threads N sets torch's thread count; --grad-accum N takes N micro-batches of B×T per
-optimiser step, as a real run does (Muon's Newton–Schulz is a cost per step, not per token). Full run: about 3.5 minutes on 2 idle cores. The
-load average, the CPU idle share before the start and the CPU wait (PSI) of each preset are printed: other processes
-on the cores distort every number (with as many threads as cores, PyTorch's threads wait on each other: steps become
-many times slower).
+optimiser step, as a real run does (Muon's Newton–Schulz is a cost per step, not per token). Full run: about 3.5
+minutes on 2 idle cores. The load average, the CPU idle share before the start and the CPU wait (PSI) of each preset
+are printed: other processes on the cores distort every number (with as many threads as cores, PyTorch's threads wait
+on each other: steps become many times slower).
 """
 # Shape suffixes: B batch, T time, V vocabulary.
 
@@ -313,7 +313,8 @@ def bench_preset(name, accum=1):
                 "dense MLP": sum(hasattr(l, "mlp") for l in layers), "AttnRes": 2 * len(layers)}
     print(f"{name}: {params.total_params / 1e6:.1f} M parameters ({params.activated_params / 1e6:.1f} M activated), "
           f"{n_layers['KDA']} KDA + {n_layers['MLA']} MLA layers, {n_layers['MoE']} MoE + "
-          f"{n_layers['dense MLP']} dense FFN; B×T = {B}×{T}, {accum} micro-batch(es) a step; load {load()}", flush=True)
+          f"{n_layers['dense MLP']} dense FFN; B×T = {B}×{T}, {accum} micro-batch(es) a step; load {load()}",
+          flush=True)
 
     wait = CpuWait()
     peak = matmul_peak_gflops()
@@ -424,11 +425,12 @@ def main():
     print()
 
     print(f"Throughput: median step time of the clean steps; model GFLOP/step = 3·forward_flops_per_token(T)·B·T "
-          f"(× the micro-batches of a step, B×T ×N) (share of MLA-attention + KDA-core terms in brackets); peak = median {PEAK_N}³ fp32 torch.mm (before / "
-          f"after the steps, the higher); NS = Muon's Newton–Schulz FLOPs (not model FLOPs); KDA core tokens = "
-          f"rows × the longest row after chunk_kda_by_document re-lays every document on chunk boundaries (each "
-          f"padded to a multiple of kda_chunk_size); CPU wait = share of the preset's wall time in which some task waited for a core "
-          f"(/proc/pressure/cpu; ≈ 0 % = no competing process)")
+          f"× the micro-batches of a step (B×T ×N) (share of MLA-attention + KDA-core terms in brackets); peak = "
+          f"median {PEAK_N}³ fp32 torch.mm (before / after the steps, the higher); NS = Muon's Newton–Schulz FLOPs "
+          f"(not model FLOPs); KDA core tokens = rows × the longest row after chunk_kda_by_document re-lays every "
+          f"document on chunk boundaries (each padded to a multiple of kda_chunk_size); CPU wait = share of the "
+          f"preset's wall time in which some task waited for a core (/proc/pressure/cpu; ≈ 0 % = no competing "
+          f"process)")
     print_table(["preset", "B×T", "params total / activated (M)", "step ms", "tokens/s", "model GFLOP/step",
                  "model GFLOP/s", "mm peak GFLOP/s", "MFU", "NS GFLOP/step", "(model + NS) GFLOP/s",
                  "(model + NS) / peak", "KDA core tokens / real tokens", "CPU wait"],

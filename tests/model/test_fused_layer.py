@@ -16,6 +16,7 @@ from k3.ops import compiled
 pytestmark = pytest.mark.skipif(compiled.build("decode")[0] is None,
                                 reason="the compiled decode kernel could not be built here")
 
+EPS32 = torch.finfo(torch.float32).eps
 FORMS = {  # the K3 form and its switches the compiled step implements
     "k3": {},
     "softplus gate, SwiGLU": dict(gate_lower_bound=None, hidden_act="silu"),
@@ -58,11 +59,17 @@ def decode(model, ids, steps: int, mask=None):
     return torch.stack(logits, 1), cache
 
 
-def assert_same_caches(a, b, **tolerance):
+def assert_close_to_rounding(a, b):
+    """Equal to a few ulps of the largest value: the layer step and the modules run the same kernels, but not every
+    form's operations round alike in the two (the SwiGLU form: 2.4e-6 at logits up to 5.6 on an AVX-512 CPU)."""
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=8 * EPS32 * b.abs().max().item())
+
+
+def assert_same_caches(a, b, close=torch.testing.assert_close, **tolerance):
     for la, lb in zip(a.layers, b.layers):
         for name in ("conv_state_B3WP", "recurrent_state_BHKV", "latent_BSL"):
             if hasattr(la, name):
-                torch.testing.assert_close(getattr(la, name), getattr(lb, name), **tolerance)
+                close(getattr(la, name), getattr(lb, name), **tolerance)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -83,8 +90,8 @@ def test_layer_step_matches_the_modules(tiny_model, monkeypatch, form):
 
     modules_only(monkeypatch)
     module_logits, module_cache = decode(model, ids, steps=5)
-    torch.testing.assert_close(logits, module_logits, rtol=1e-6, atol=1e-6)
-    assert_same_caches(cache, module_cache, rtol=1e-6, atol=1e-6)
+    assert_close_to_rounding(logits, module_logits)
+    assert_same_caches(cache, module_cache, close=assert_close_to_rounding)
 
     monkeypatch.setattr(compiled, "build", lambda name: (None, "off"))
     with pytest.warns(UserWarning, match="unavailable"):
@@ -194,8 +201,8 @@ def test_a_layer_the_kernel_refuses_mid_stack(tiny_model, monkeypatch):
     assert sorted(served) == sorted([i for i in range(len(model.model.layers)) if i != refused.layer_idx] * 2)
     modules_only(monkeypatch)
     module_logits, module_cache = decode(model, ids, steps=2)
-    torch.testing.assert_close(logits, module_logits, rtol=1e-6, atol=1e-6)
-    assert_same_caches(cache, module_cache, rtol=1e-6, atol=1e-6)
+    assert_close_to_rounding(logits, module_logits)
+    assert_same_caches(cache, module_cache, close=assert_close_to_rounding)
 
 
 def _recorded(record: list, step, *args):

@@ -29,7 +29,6 @@ using k3::rows_dot;
 using k3::sigmoid;
 
 using k3::inverse_norm;
-using k3::softmax;
 
 // RMSNorm / L2 normalisation over the last axis (k3.ops.norm): y = x / sqrt(mean(x²) + ε) (`mean`) or
 // x / sqrt(Σ x² + ε), times `weight` [C] when given

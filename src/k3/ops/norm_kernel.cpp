@@ -134,24 +134,24 @@ std::vector<torch::Tensor> mix_backward(std::vector<torch::Tensor> sources, torc
               *dyp = dy.data_ptr<float>();
   at::parallel_for(0, N, kRows, [&](int64_t begin, int64_t end) {
     std::vector<const float *> V(S);
-    std::vector<float> dp(S), vq(S);
+    std::vector<double> dp(S), vq(S);
     double *dq_mine = dq.mine();
     for (int64_t i = begin; i < end; ++i) {
       src.row(i, V);
       const float *pi = pp + i * S, *ri = rp + i * S, *dyr = dyp + i * D;
-      float mean_dp = 0.f;
+      double mean_dp = 0.;
       for (int64_t s = 0; s < S; ++s) {
-        dp[s] = k3::dot(dyr, V[s], D);
-        vq[s] = k3::dot(V[s], qp, D);
+        dp[s] = k3::dot64(dyr, V[s], D);
+        vq[s] = k3::dot64(V[s], qp, D);
         mean_dp += pi[s] * dp[s];
       }
-      for (int64_t s = 0; s < S; ++s) {
-        const float dl = pi[s] * (dp[s] - mean_dp), a = dl * ri[s], b = a * ri[s] * ri[s] * vq[s] / D, ps = pi[s];
+      for (int64_t s = 0; s < S; ++s) {  // the three terms of dV in float64: they cancel
+        const double ps = pi[s], dl = ps * (dp[s] - mean_dp), a = dl * ri[s], b = a * ri[s] * ri[s] * vq[s] / D;
         const float *v = V[s];
         float *dv = dbase[s] + i * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) {
-          dv[d] = ps * dyr[d] + a * qp[d] - b * v[d];
+          dv[d] = static_cast<float>(ps * dyr[d] + a * qp[d] - b * v[d]);
           dq_mine[d] += a * v[d];
         }
       }

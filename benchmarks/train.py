@@ -352,7 +352,8 @@ def bench_preset(name, accum=1):
     ns_flops = newton_schulz_flops(trainer.optimizers[0])
     achieved = model_flops / step_s / 1e9
     throughput = [
-        name, f"{B}×{T}" + (f" ×{accum}" if accum > 1 else ""), f"{params.total_params / 1e6:.1f} / {params.activated_params / 1e6:.1f}",
+        name, f"{B}×{T}" + (f" ×{accum}" if accum > 1 else ""),
+        f"{params.total_params / 1e6:.1f} / {params.activated_params / 1e6:.1f}",
         f"{1e3 * step_s:,.0f}", f"{tokens / step_s:,.0f}",
         f"{model_flops / 1e9:,.1f} ({100 * 3 * (fwd_per_token - matmul_per_token) / (3 * fwd_per_token):.0f} %)",
         f"{achieved:.1f}", f"{peak:.1f}", f"{100 * achieved / peak:.1f} %",

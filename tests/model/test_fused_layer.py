@@ -60,8 +60,9 @@ def decode(model, ids, steps: int, mask=None):
 
 
 def assert_close_to_rounding(a, b):
-    """Equal to a few ulps of the largest value: the layer step and the modules run the same kernels, but not every
-    form's operations round alike in the two (the SwiGLU form: 2.4e-6 at logits up to 5.6 on an AVX-512 CPU)."""
+    """Equal to a few ulps of the largest value: the layer step and the modules share the compiled products, norms
+    and mixes, but the modules take torch's F.silu and F.softplus where the layer step has its own (the SwiGLU /
+    softplus-gate form: 2.4e-6 at logits up to 5.6 on an AVX-512 CPU; the other forms were equal)."""
     torch.testing.assert_close(a, b, rtol=1e-6, atol=8 * EPS32 * b.abs().max().item())
 
 

@@ -26,13 +26,13 @@ inline void check_product(const torch::Tensor &x, const torch::Tensor &W) {
   TORCH_CHECK(x.size(-1) == W.size(-1), "matvec kernel: x and W disagree on the input width");
 }
 
-// y[a·y_stride + r] = Σ_j W[r·in + j] x[a·in + j] for the rows r < rows of W and the N rows a of x: blocks of eight
-// weight rows (`rows_dot`), each block taken with every row of x while it is in cache
+// y[a·y_stride + r] = Σ_j W[r·in + j] x[a·in + j] for the rows r < rows of W and the N rows a of x: blocks of
+// kRowBlock weight rows (`rows_dot`), each block taken with every row of x while it is in cache
 inline void block_product(const float *W, int64_t rows, int64_t in, const float *x, int64_t N, float *y,
                           int64_t y_stride) {
-  for (int64_t r = 0; r < rows; r += 8)
+  for (int64_t r = 0; r < rows; r += kRowBlock)
     for (int64_t a = 0; a < N; ++a)
-      rows_dot(W + r * in, std::min<int64_t>(8, rows - r), in, x + a * in, y + a * y_stride + r);
+      rows_dot(W + r * in, std::min(kRowBlock, rows - r), in, x + a * in, y + a * y_stride + r);
 }
 
 // x [..., in] and weights W_k [out_k, in] -> [x W_kᵀ for every k], each [..., out_k]: one pass over all the
@@ -88,9 +88,9 @@ inline torch::Tensor linear_sum(const std::vector<std::pair<torch::Tensor, torch
     row_width += W.size(1);
   }
   at::parallel_for(0, out, grain(row_width), [&](int64_t begin, int64_t end) {
-    float part[8];
-    for (int64_t i = begin; i < end; i += 8) {  // blocks of eight rows, as in block_product
-      const int64_t n = std::min<int64_t>(8, end - i);
+    float part[kRowBlock];
+    for (int64_t i = begin; i < end; i += kRowBlock) {  // blocks of rows, as in block_product
+      const int64_t n = std::min(kRowBlock, end - i);
       for (int64_t a = 0; a < N; ++a) {
         float *y_a = yp + a * out + i;
         std::fill(y_a, y_a + n, 0.f);

@@ -7,6 +7,8 @@ a multiple of the chunk size, several chunk sizes, state resets (§3.8) and with
 """
 # Shape suffixes: B batch, T time, H heads, K key dim, V value dim, U chunks.
 
+import contextlib
+import functools
 import math
 
 import pytest
@@ -53,10 +55,12 @@ def segmented_recurrent(inputs, chunk_size, reset_chunks, output_final_state):
     return torch.cat(o_rows), (torch.cat(S_rows) if output_final_state else None)
 
 
-def losses_and_grads(op, inputs, output_final_state=True, seed=1, **kwargs):
-    """(o, S, gradients of a random linear function of o and S w.r.t. every input)."""
+def losses_and_grads(op, inputs, output_final_state=True, seed=1, forward_context=contextlib.nullcontext, **kwargs):
+    """(o, S, gradients of a random linear function of o and S w.r.t. every input); the op runs inside
+    `forward_context()`, the loss and the backward outside it."""
     leaves = {name: t.detach().clone().requires_grad_() for name, t in inputs.items()}
-    o, S = op(leaves, output_final_state=output_final_state, **kwargs)
+    with forward_context():
+        o, S = op(leaves, output_final_state=output_final_state, **kwargs)
     gen = torch.Generator().manual_seed(seed)
     loss = (o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)).sum()
     if output_final_state:
@@ -208,3 +212,16 @@ def test_saves_only_the_inputs_and_the_chunk_states(backend):
                                                             (B, H, n_chunks, chunk_size, 1), (B, H, n_chunks, K, V)]
     function_saved = [tuple(t.shape) for t in saved if tuple(t.shape) in set(expected)]
     assert sorted(function_saved) == sorted(expected)
+
+
+@pytest.mark.parametrize("op", ["torch", "compiled", "recurrent"])
+def test_autocast_leaves_the_core_in_fp32(op):
+    """Under a caller's bf16 autocast (a bf16 training step) the core computes in fp32 exactly as without it, and
+    its backward runs: autocast used to turn the Function's forward matmuls to bf16, and the backward (run
+    outside autocast) then failed on bf16 gradients meeting fp32 operands."""
+    inputs32 = make_inputs(40, dtype=torch.float32)
+    run = recurrent if op == "recurrent" else functools.partial(chunked, chunk_size=16, backend=chunk_backend(op))
+    plain = losses_and_grads(run, inputs32)
+    mixed = losses_and_grads(run, inputs32, forward_context=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    assert mixed[0].dtype == mixed[1].dtype == torch.float32
+    assert_all_close(mixed, plain, tol=0)

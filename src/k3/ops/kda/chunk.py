@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from k3.ops.kda import cpu
 from k3.ops.kda.function import MAX_EXPONENT, SUB_CHUNK, ChunkKDAFunction
-from k3.ops.kda.naive import prepare_inputs
+from k3.ops.kda.naive import prepare_inputs, without_autocast
 
 BACKENDS = ("auto", "torch", "compiled")
 
@@ -61,8 +61,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                                                        chunk_size, sub_chunk)
         o_BTHV = o_BTHV[:, :T]  # drop the padding
     else:
-        o_BHUCV, S_BHKV = ChunkKDAFunction.apply(*(_to_chunks(x, chunk_size) for x in inputs[:4]),
-                                                 _to_chunks(beta_BTH[..., None], chunk_size), S_BHKV, keep_BU)
+        with without_autocast(q_BTHK.device):  # the compute dtype under autocast too (its backward runs without)
+            o_BHUCV, S_BHKV = ChunkKDAFunction.apply(*(_to_chunks(x, chunk_size) for x in inputs[:4]),
+                                                     _to_chunks(beta_BTH[..., None], chunk_size), S_BHKV, keep_BU)
         o_BTHV = o_BHUCV.flatten(2, 3)[:, :, :T].transpose(1, 2)  # drop the padding
     return o_BTHV.to(out_dtype).contiguous(), (S_BHKV if output_final_state else None)
 

@@ -5,6 +5,8 @@ Also holds the argument checks and the dtype rule shared by both KDA ops: everyt
 """
 # Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 
+import contextlib
+
 import torch
 
 
@@ -44,6 +46,18 @@ def prepare_inputs(q, k, v, g, beta, scale, initial_state):
     return q * scale, k, v, g, beta, S_BHKV
 
 
+def without_autocast(device: torch.device):
+    """A context with autocast off on `device` (a no-op where it is off already): the KDA core keeps its compute
+    dtype (§0.4) inside a caller's `torch.autocast` too. Autocast would run its matmuls in bf16, and the backward
+    of `ChunkKDAFunction`, which runs outside autocast, then met bf16 gradients next to fp32 operands (a
+    RuntimeError in the torch ops' backward of every bf16-autocast training step that they served)."""
+    try:
+        enabled = torch.is_autocast_enabled(device.type)
+    except RuntimeError:  # a device type autocast does not know (meta): nothing to turn off
+        enabled = False
+    return torch.autocast(device.type, enabled=False) if enabled else contextlib.nullcontext()
+
+
 def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
     """KDA one token at a time, exactly in the order of §3.4 (the reference for `chunk_kda`).
 
@@ -56,10 +70,11 @@ def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final
     # unbind, not indexing [:, t]: the backward of each index op would allocate a full [B,T,...] gradient
     steps = zip(*(x.unbind(1) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH)))
     outputs = []
-    for q_BHK, k_BHK, v_BHV, g_BHK, beta_BH in steps:
-        S_BHKV = g_BHK[..., None].exp() * S_BHKV  # 1. decay the key rows: S ← Diag(e^g) S
-        u_BHV = beta_BH[..., None] * (v_BHV - torch.einsum("bhk,bhkv->bhv", k_BHK, S_BHKV))  # 2. u = β (v − Sᵀ k)
-        S_BHKV = S_BHKV + k_BHK[..., :, None] * u_BHV[..., None, :]  # 3. S ← S + k uᵀ
-        outputs.append(torch.einsum("bhk,bhkv->bhv", q_BHK, S_BHKV))  # 4. o = Sᵀ q, read after the write
+    with without_autocast(q_BTHK.device):
+        for q_BHK, k_BHK, v_BHV, g_BHK, beta_BH in steps:
+            S_BHKV = g_BHK[..., None].exp() * S_BHKV  # 1. decay the key rows: S ← Diag(e^g) S
+            u_BHV = beta_BH[..., None] * (v_BHV - torch.einsum("bhk,bhkv->bhv", k_BHK, S_BHKV))  # 2. u = β(v − Sᵀk)
+            S_BHKV = S_BHKV + k_BHK[..., :, None] * u_BHV[..., None, :]  # 3. S ← S + k uᵀ
+            outputs.append(torch.einsum("bhk,bhkv->bhv", q_BHK, S_BHKV))  # 4. o = Sᵀ q, read after the write
     o_BTHV = torch.stack(outputs, 1) if outputs else torch.zeros_like(v_BTHV)  # T = 0: empty output
     return o_BTHV.to(out_dtype), (S_BHKV if output_final_state else None)

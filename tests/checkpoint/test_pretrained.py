@@ -5,11 +5,13 @@ import os
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from k3 import K3Config
 from k3.checkpoint import CheckpointError, decode_mxfp4, encode_mxfp4, to_hf_state_dict
 from k3.model import K3ForCausalLM
+from k3.ops.mxfp4 import MXFP4Weight
 
 IDS = torch.tensor([[5, 17, 300, 4095, 0, 9, 42, 77, 1000, 3]])
 
@@ -72,27 +74,76 @@ def test_multimodal_layout_uses_prefix_and_skips_vision(tiny, tmp_path):
     assert torch.equal(loaded(IDS).logits, tiny(IDS).logits)
 
 
-def test_mxfp4_experts_decoded_on_load(tiny, tmp_path):
-    """MXFP4-packed routed experts (weight_packed/weight_scale) load as their decoded values (§11.5)."""
-    hf = {k: v.contiguous() for k, v in to_hf_state_dict(tiny.state_dict(), tiny.config.kda_num_heads).items()}
-    expected = {}
+def _save_mxfp4(model, path):
+    """`model` written as the release stores it, its experts encoded here (not by save_pretrained); returns the
+    stored (packed, scale) pairs by dense name."""
+    hf = {k: v.contiguous() for k, v in to_hf_state_dict(model.state_dict(), model.config.kda_num_heads).items()}
+    stored = {}
     for name in [k for k in hf if ".experts." in k]:
         packed, scale = encode_mxfp4(hf.pop(name))
         hf[name + "_packed"], hf[name + "_scale"] = packed, scale
-        expected[name] = (packed, scale)
-    save_file(hf, tmp_path / "model.safetensors")
-    tiny.config.replace(extra={"quantization_config": {"format": "mxfp4-pack-quantized"}}).save(tmp_path)
+        stored[name] = (packed, scale)
+    save_file(hf, path / "model.safetensors")
+    model.config.replace(extra={"quantization_config": {"format": "mxfp4-pack-quantized"}}).save(path)
+    return stored
+
+
+def test_mxfp4_experts_stay_packed_on_load(tiny, tmp_path):
+    """MXFP4 routed experts load as stored (uint8 pairs, stacked per layer); a packed re-save writes the same bytes
+    and the file's own quantization_config (§11.5)."""
+    stored = _save_mxfp4(tiny, tmp_path)
     loaded = K3ForCausalLM.from_pretrained(tmp_path)
     w2 = loaded.model.layers[2].block_sparse_moe.experts.w2
+    assert isinstance(w2, MXFP4Weight) and w2.weight_packed.dtype == torch.uint8
+    assert torch.equal(w2.weight_packed[7], stored["model.layers.2.block_sparse_moe.experts.7.w2.weight"][0])
+    assert torch.equal(w2.weight_scale[7], stored["model.layers.2.block_sparse_moe.experts.7.w2.weight"][1])
+    dense = K3ForCausalLM.from_pretrained(tmp_path, experts="dense")
+    torch.testing.assert_close(loaded(IDS).logits, dense(IDS).logits, rtol=1e-5, atol=1e-5)
+    loaded.save_pretrained(tmp_path / "again")
+    with safe_open(tmp_path / "again" / "model.safetensors", "pt") as f:
+        for name, (packed, scale) in stored.items():
+            name = "language_model." + name
+            assert torch.equal(f.get_tensor(name + "_packed"), packed) and torch.equal(f.get_tensor(name + "_scale"),
+                                                                                        scale), name
+    config = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert config["text_config"]["quantization_config"] == {"format": "mxfp4-pack-quantized"}
+    assert config["quantization_config"] == config["text_config"]["quantization_config"]
+
+
+def test_mxfp4_experts_decoded_on_request(tiny, tmp_path):
+    """experts="dense" decodes MXFP4 experts exactly; a dense re-save drops the quantization config."""
+    stored = _save_mxfp4(tiny, tmp_path)
+    loaded = K3ForCausalLM.from_pretrained(tmp_path, experts="dense")
+    w2 = loaded.model.layers[2].block_sparse_moe.experts.w2
     assert w2.dtype == torch.float32  # the stored embedding's dtype
-    assert torch.equal(w2[7], decode_mxfp4(*expected["model.layers.2.block_sparse_moe.experts.7.w2.weight"],
+    assert torch.equal(w2[7], decode_mxfp4(*stored["model.layers.2.block_sparse_moe.experts.7.w2.weight"],
                                            dtype=torch.float32))
     original = tiny.model.layers[2].block_sparse_moe.experts.w2[7]
     assert 0 < (w2[7] - original).abs().max() <= original.abs().max() / 4  # quantisation error bound
-    assert loaded(IDS).logits.isfinite().all()
-    loaded.save_pretrained(tmp_path / "dense")  # re-export is dense: the quantization config is dropped
+    loaded.save_pretrained(tmp_path / "dense")
     dense = json.loads((tmp_path / "dense" / "config.json").read_text())
     assert "quantization_config" not in dense and "quantization_config" not in dense["text_config"]
+
+
+def test_dense_model_saved_and_loaded_as_mxfp4(tiny, tmp_path):
+    """save_pretrained(experts="mxfp4") writes the release's pairs and quantization_config; loading them packed, or
+    loading the dense file with experts="mxfp4", gives the same weights."""
+    tiny.save_pretrained(tmp_path / "packed", experts="mxfp4")
+    tiny.save_pretrained(tmp_path / "dense")
+    config = json.loads((tmp_path / "packed" / "config.json").read_text())
+    assert config["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    assert config["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    with safe_open(tmp_path / "packed" / "model.safetensors", "pt") as f:
+        name = "language_model.model.layers.1.block_sparse_moe.experts.3.w1.weight"
+        assert name not in f.keys()
+        packed, scale = f.get_tensor(name + "_packed"), f.get_tensor(name + "_scale")
+    assert (packed.dtype, scale.dtype) == (torch.uint8, torch.uint8)
+    expected = encode_mxfp4(tiny.model.layers[1].block_sparse_moe.experts.w1[3])
+    assert torch.equal(packed, expected[0]) and torch.equal(scale, expected[1])
+    a = K3ForCausalLM.from_pretrained(tmp_path / "packed")
+    b = K3ForCausalLM.from_pretrained(tmp_path / "dense", experts="mxfp4")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert torch.equal(a(IDS).logits, b(IDS).logits)
 
 
 def test_bf16_load_keeps_fp32_set(tiny, tmp_path):

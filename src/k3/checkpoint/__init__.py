@@ -7,7 +7,7 @@
 
 from k3.checkpoint.hf import CheckpointError, from_hf_state_dict, is_fp32_tensor, to_hf_state_dict
 from k3.checkpoint.io import load_checkpoint_state, save_checkpoint_state
-from k3.checkpoint.mxfp4 import decode_mxfp4, encode_mxfp4
+from k3.ops.mxfp4 import decode_mxfp4, encode_mxfp4
 
 __all__ = [
     "CheckpointError",

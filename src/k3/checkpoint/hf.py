@@ -6,8 +6,10 @@ exceptions (§11.4 items 1-2):
 * KDA ``model.layers.N.self_attn.A_log`` is ``[H]`` internally and zero-padded to ``ceil(H/128)*128`` in
   the file;
 * routed experts are stacked internally as ``model.layers.N.block_sparse_moe.experts.w{1,2,3}``
-  ``[E, out, in]`` and stored per expert as ``experts.{e}.w{1,2,3}.weight`` (dense) or
-  ``experts.{e}.w{1,2,3}.weight_packed`` + ``.weight_scale`` (MXFP4, §11.5).
+  ``[E, out, in]`` (dense) or ``...experts.w{1,2,3}.weight_packed`` ``[E, out, in/2]`` + ``.weight_scale``
+  ``[E, out, in/32]`` (MXFP4 kept packed, §11.5), and stored per expert as ``experts.{e}.w{1,2,3}.weight`` or
+  ``experts.{e}.w{1,2,3}.weight_packed`` + ``.weight_scale``. Either stored form loads into either internal form
+  (decoded, or encoded expert by expert); ``convert_experts`` changes the form of a state dict before saving.
 
 Translation is driven by the model's own state-dict keys, never by tensor shapes (§11.4 item 5).
 """
@@ -23,7 +25,7 @@ from typing import Protocol, Union
 import torch
 from torch import Tensor
 
-from k3.checkpoint.mxfp4 import GROUP_SIZE, decode_mxfp4
+from k3.ops.mxfp4 import GROUP_SIZE, check_mxfp4_pair, decode_mxfp4, encode_mxfp4
 from k3.config import summarize
 from k3.ops.precision import is_fp32_tensor
 
@@ -36,6 +38,7 @@ MXFP4_DECODE_DTYPE = torch.bfloat16
 
 _A_LOG = re.compile(r"model\.layers\.\d+\.self_attn\.A_log")
 _STACKED_EXPERTS = re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.w[123]")
+_PACKED_EXPERTS = re.compile(r"(model\.layers\.\d+\.block_sparse_moe\.experts\.w[123])\.weight_(packed|scale)")
 _EXPERT_WEIGHT = re.compile(r"(.+\.experts)\.(\d+)\.(w[123])\.(?:weight|weight_packed|weight_scale)")
 REPORT_LIMIT = 5
 """How many names of each kind of mismatch an error message lists (the rest are counted)."""
@@ -79,13 +82,15 @@ def expert_weight_name(stacked_name: str, expert: int, suffix: str = "weight") -
 def to_hf_state_dict(state_dict: Mapping[str, Tensor], num_kda_heads: int) -> dict[str, Tensor]:
     """Internal state dict -> official text tensors (no ``language_model.`` prefix), §11.2/§11.4.
 
-    ``A_log`` is zero-padded to ``padded_a_log_length(num_kda_heads)``; stacked experts are split into
-    per-expert views (no copies). Every other tensor is passed through unchanged.
+    ``A_log`` is zero-padded to ``padded_a_log_length(num_kda_heads)``; stacked experts (dense or packed) are split
+    into per-expert views (no copies). Every other tensor is passed through unchanged.
     """
     hf: dict[str, Tensor] = {}
     for name, tensor in state_dict.items():
-        if _STACKED_EXPERTS.fullmatch(name):
-            hf.update((expert_weight_name(name, e), weight) for e, weight in enumerate(tensor.unbind(0)))
+        packed = _PACKED_EXPERTS.fullmatch(name)
+        if _STACKED_EXPERTS.fullmatch(name) or packed:
+            stacked, suffix = (packed[1], f"weight_{packed[2]}") if packed else (name, "weight")
+            hf.update((expert_weight_name(stacked, e, suffix), weight) for e, weight in enumerate(tensor.unbind(0)))
         elif _A_LOG.fullmatch(name):
             hf[name] = _pad_a_log(name, tensor, num_kda_heads)
         else:
@@ -120,12 +125,19 @@ def from_hf_state_dict(
     Dtypes: a stored tensor must be floating point (integer or bool data where a weight belongs is reported, not
     cast), except where ``expected`` gives a tensor of another dtype (then that dtype exactly) and the MXFP4 pairs
     (uint8). The fp32 set (``is_fp32_tensor``) always ends fp32; other floating tensors are cast to ``dtype``
-    when given, else keep their stored dtype; MXFP4 experts decode to ``dtype`` or bf16. Dtypes are checked with
+    when given, else keep their stored dtype; MXFP4 experts decode to ``dtype`` or bf16 where ``expected`` has dense
+    experts, and stay packed (or are encoded, from dense ones) where it has packed ones. Dtypes are checked with
     the names and shapes, before any data is read.
     """
     keep_media = any(name.startswith(NON_TEXT_PREFIXES) for name in expected)
     matcher = _Matcher(_strip_text_prefix(hf_tensors, keep_media))
-    loaders = {name: _plan(matcher, name, spec, dtype) for name, spec in expected.items()}
+    loaders: dict[str, Loader] = {}
+    for name, spec in expected.items():
+        packed = _PACKED_EXPERTS.fullmatch(name)
+        if packed and name not in loaders:
+            loaders.update(_plan_packed_experts(matcher, packed[1], _shape_of(spec), packed[2] == "scale"))
+        elif not packed:
+            loaders[name] = _plan(matcher, name, spec, dtype)
     matcher.raise_on_problems()
     return {name: load() for name, load in loaders.items()}
 
@@ -187,6 +199,71 @@ def _plan_expert(
             raise CheckpointError(f"{packed} / {scale}: {error}") from None
 
     return decode
+
+
+def _plan_packed_experts(matcher: _Matcher, stacked_name: str, shape: tuple[int, ...],
+                         is_scale: bool) -> dict[str, Loader]:
+    """Both internal tensors of packed experts ``stacked_name.weight_packed`` [E, out, in/2] and ``.weight_scale``
+    [E, out, in/32], from per-expert MXFP4 pairs (copied) or dense matrices (encoded, each once)."""
+    num_experts, out_features, width = shape
+    in_features = width * (GROUP_SIZE if is_scale else 2)
+    present = matcher.stored_experts(stacked_name, num_experts, (out_features, in_features))
+    experts = [_plan_packed_expert(matcher, stacked_name, e, (out_features, in_features)) for e in present]
+    built: list[tuple[Tensor, Tensor]] = []
+
+    def load(part: int) -> Tensor:
+        if not built:  # the first of the two loads fills both, one expert at a time
+            first_packed, first_scale = experts[0]()
+            pair = (torch.empty((len(experts), *first_packed.shape), dtype=torch.uint8),
+                    torch.empty((len(experts), *first_scale.shape), dtype=torch.uint8))
+            for e, load_expert in enumerate(experts):
+                pair[0][e], pair[1][e] = (first_packed, first_scale) if e == 0 else load_expert()
+            built.append(pair)
+        return built[0][part]
+
+    return {f"{stacked_name}.weight_packed": lambda: load(0), f"{stacked_name}.weight_scale": lambda: load(1)}
+
+
+def _plan_packed_expert(matcher: _Matcher, stacked_name: str, expert: int,
+                        shape: tuple[int, int]) -> Callable[[], tuple[Tensor, Tensor]]:
+    """One expert's MXFP4 pair: stored as one (checked, then copied), or encoded from a stored dense matrix."""
+    dense, packed, scale = (expert_weight_name(stacked_name, expert, suffix)
+                            for suffix in ("weight", "weight_packed", "weight_scale"))
+    if matcher.has(dense) or not (matcher.has(packed) or matcher.has(scale)):
+        matcher.claim(dense, shape)
+        return lambda: encode_mxfp4(matcher.load(dense))
+    out_features, in_features = shape
+    matcher.claim(packed, (out_features, in_features // 2), torch.uint8)
+    matcher.claim(scale, (out_features, in_features // GROUP_SIZE), torch.uint8)
+
+    def load() -> tuple[Tensor, Tensor]:
+        pair = matcher.load(packed), matcher.load(scale)
+        try:
+            check_mxfp4_pair(*pair)
+        except ValueError as error:  # e.g. the E8M0 NaN code in the scales
+            raise CheckpointError(f"{packed} / {scale}: {error}") from None
+        return pair
+
+    return load
+
+
+def convert_experts(state_dict: Mapping[str, Tensor], experts: str) -> dict[str, Tensor]:
+    """``state_dict`` with its stacked routed experts in ``experts`` form: "dense" (packed ones decoded to bf16,
+    exact) or "mxfp4" (dense ones encoded, expert by expert); every other tensor passed through."""
+    converted: dict[str, Tensor] = {}
+    for name, tensor in state_dict.items():
+        packed = _PACKED_EXPERTS.fullmatch(name)
+        if experts == "mxfp4" and _STACKED_EXPERTS.fullmatch(name):
+            pairs = [encode_mxfp4(matrix) for matrix in tensor.detach()]
+            converted[f"{name}.weight_packed"] = torch.stack([p for p, _ in pairs])
+            converted[f"{name}.weight_scale"] = torch.stack([s for _, s in pairs])
+        elif experts == "dense" and packed:
+            if packed[2] == "packed":
+                converted[packed[1]] = decode_mxfp4(tensor, state_dict[f"{packed[1]}.weight_scale"],
+                                                    MXFP4_DECODE_DTYPE)
+        else:
+            converted[name] = tensor
+    return converted
 
 
 def _stack(experts: Sequence[Loader]) -> Tensor:

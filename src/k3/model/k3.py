@@ -23,6 +23,7 @@ from k3.model.mla import GatedMLA
 from k3.model.moe import MoEGate, RoutedExperts, StableLatentMoE
 from k3.model.observer import Observable
 from k3.model.pretrained import PretrainedMixin
+from k3.ops.experts import reset_expert_weight
 from k3.ops.loss import IGNORE_INDEX, check_labels, next_token_loss
 from k3.ops.norm import RMSNorm
 from k3.ops.matvec import Linear
@@ -159,7 +160,7 @@ class K3ForCausalLM(PretrainedMixin, nn.Module):
                 nn.init.normal_(module.weight, std=std)
             elif isinstance(module, RoutedExperts):
                 for w in (module.w1, module.w2, module.w3):
-                    nn.init.normal_(w, std=std)
+                    reset_expert_weight(w, std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
             elif isinstance(module, KimiDeltaAttention):

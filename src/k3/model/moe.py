@@ -5,14 +5,17 @@ Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architectur
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from k3.config import K3Config
 from k3.model.cache import StepContext
+from k3.checkpoint.quantization import experts_format
 from k3.model.ffn import SiTUMLP, glu_activation
 from k3.ops import compiled, decode
-from k3.ops.grouped_mm import grouped_mm
+from k3.ops.experts import dense_expert, expert_ffn, expert_weight
 from k3.ops.norm import RMSNorm
 from k3.ops.precision import KeepFP32, fp32
 from k3.ops.matvec import Linear
@@ -66,16 +69,18 @@ class RoutedExperts(nn.Module):
     """All routed experts of a layer, stacked (module `experts`).
 
     `w1` (gate) and `w3` (up) are [E, F, L], `w2` (down) is [E, L, F]: slice e is expert e's `[out, in]` weight
-    (the checkpoint stores them one tensor per expert, §11.4).
+    (the checkpoint stores them one tensor per expert, §11.4). Their form follows the config's `quantization_config`:
+    trainable dense parameters, or MXFP4 buffers kept as the release stores them (`k3.ops.experts`, §11.5).
     """
 
     def __init__(self, config: K3Config):
         super().__init__()
         self.config = config
         E, L, M = config.num_experts, config.routed_expert_hidden_size, config.moe_intermediate_size
-        self.w1 = nn.Parameter(torch.empty(E, M, L))
-        self.w3 = nn.Parameter(torch.empty(E, M, L))
-        self.w2 = nn.Parameter(torch.empty(E, L, M))
+        packed = experts_format(config) == "mxfp4"
+        self.w1 = expert_weight(E, M, L, packed)
+        self.w3 = expert_weight(E, M, L, packed)
+        self.w2 = expert_weight(E, L, M, packed)
 
     def forward(self, z_NL: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
         """r = Σ_{e ∈ top-k} w_e · E_e(z): expert outputs in the activation dtype, weighted sum in fp32, cast."""
@@ -85,15 +90,13 @@ class RoutedExperts(nn.Module):
 
     def expert(self, e: int, z: torch.Tensor) -> torch.Tensor:
         """E_e(z) = W2_e · SiTU-GLU(W1_e z, W3_e z) for one expert e."""
-        h = glu_activation(self.config, z @ self.w1[e].transpose(-1, -2), z @ self.w3[e].transpose(-1, -2))
-        return h @ self.w2[e].transpose(-1, -2)
+        w1, w3, w2 = (dense_expert(w, e, z.dtype) for w in (self.w1, self.w3, self.w2))
+        return glu_activation(self.config, z @ w1.transpose(-1, -2), z @ w3.transpose(-1, -2)) @ w2.transpose(-1, -2)
 
     def sorted_experts(self, z_AL: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """E_e(z) for rows sorted by expert, `counts_E[e]` rows for expert e: one grouped matmul per weight
-        (`k3.ops.grouped_mm`: no padding, no copy of the weights in use)."""
-        h_AF = glu_activation(self.config, grouped_mm(z_AL, self.w1.transpose(-1, -2), counts_E),
-                              grouped_mm(z_AL, self.w3.transpose(-1, -2), counts_E))
-        return grouped_mm(h_AF, self.w2.transpose(-1, -2), counts_E)
+        """E_e(z) for rows sorted by expert, `counts_E[e]` rows for expert e (`k3.ops.experts.expert_ffn`: no
+        padding, no copy of the weights in use, whatever their form)."""
+        return expert_ffn(z_AL, counts_E, self.w1, self.w3, self.w2, functools.partial(glu_activation, self.config))
 
     def _forward_grouped(self, z_NL: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
         """The N·k (token, expert) assignments sorted by expert, then `sorted_experts`."""

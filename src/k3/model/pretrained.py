@@ -14,19 +14,10 @@ import torch
 
 from k3.checkpoint import load_checkpoint_state, save_checkpoint_state
 from k3.checkpoint.io import DEFAULT_MAX_SHARD_SIZE
-from k3.checkpoint.hf import LANGUAGE_MODEL_PREFIX, NON_TEXT_PREFIXES
+from k3.checkpoint.hf import LANGUAGE_MODEL_PREFIX, NON_TEXT_PREFIXES, convert_experts
+from k3.checkpoint.quantization import experts_format, with_experts_format
 from k3.config import K3Config
 from k3.ops.precision import is_fp32_tensor
-
-
-def dense_checkpoint_config(config: K3Config) -> K3Config:
-    """The config to save beside dense (not MXFP4) routed experts: `quantization_config` removed."""
-    if "quantization_config" not in config.extra and "quantization_config" not in (config.multimodal or {}):
-        return config
-    return config.replace(
-        extra={k: v for k, v in config.extra.items() if k != "quantization_config"},
-        multimodal=None if config.multimodal is None else
-        {k: v for k, v in config.multimodal.items() if k != "quantization_config"})
 
 
 class PretrainedMixin:
@@ -43,14 +34,18 @@ class PretrainedMixin:
         return name if name.startswith(NON_TEXT_PREFIXES) else self.text_module_prefix + name
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None):
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None, experts: str | None = None):
         """Load a directory in the released layout (§11): `config.json` + safetensors (sharded or not).
 
         `dtype=None` uses the stored dtype of `embed_tokens`; floating tensors are cast to `dtype`, except the
-        fp32 set of §0.4, which is always fp32. MXFP4-packed routed experts are decoded. A text model reads the
-        text part of a multimodal checkpoint (vision tensors are skipped).
+        fp32 set of §0.4, which is always fp32. Routed experts keep the form the checkpoint stores them in
+        (`experts=None`: MXFP4 stays packed, §11.5), or take the one asked for: "dense" decodes MXFP4 experts (to
+        `dtype`, else bf16, exactly), "mxfp4" encodes dense ones. A text model reads the text part of a multimodal
+        checkpoint (vision tensors are skipped).
         """
         config = K3Config.from_json(path)
+        if experts is not None:
+            config = with_experts_format(config, experts)
         with torch.device("meta"):
             model = cls(config)
         state = load_checkpoint_state(path, model.official_state_dict(), dtype=dtype)
@@ -61,13 +56,16 @@ class PretrainedMixin:
         model.load_state_dict({model._module_name(n): t for n, t in state.items()}, strict=True, assign=True)
         return model
 
-    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> None:
+    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+                        experts: str | None = None) -> None:
         """Write `config.json` + safetensors in the official names and the released layout: the multimodal top
         level (a text-only model's without `vision_config`, `K3Config.released_layout`) and the text tensors
-        prefixed `language_model.`. Routed experts are written dense, so `quantization_config` is dropped."""
+        prefixed `language_model.`. Routed experts are written in the model's own form (`experts=None`) or in the
+        one asked for: "mxfp4" as the release stores them (packed pairs, its `quantization_config`), "dense"."""
+        experts = experts or experts_format(self.config)
+        config = with_experts_format(self.config.released_layout(), experts)
         os.makedirs(path, exist_ok=True)
-        config = dense_checkpoint_config(self.config).released_layout()
         prefix = "" if config.multimodal is None else LANGUAGE_MODEL_PREFIX
-        save_checkpoint_state(path, self.official_state_dict(), config.kda_num_heads, max_shard_size=max_shard_size,
-                              prefix=prefix)
+        state = convert_experts(self.official_state_dict(), experts)
+        save_checkpoint_state(path, state, config.kda_num_heads, max_shard_size=max_shard_size, prefix=prefix)
         config.save(path)

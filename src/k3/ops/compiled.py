@@ -26,6 +26,7 @@ KERNELS = {  # name: source file, relative to this package
     "decode": "decode_kernel.cpp",  # norms, AttnRes mix and the KDA step of one-token calls (k3.ops.decode)
     "norm": "norm_kernel.cpp",  # norms and the AttnRes mix of many rows, forward and backward (k3.ops.norm)
     "loss": "loss_kernel.cpp",  # the next-token cross-entropy, forward and backward (k3.ops.loss)
+    "mxfp4": "mxfp4_kernel.cpp",  # MXFP4 experts' products, each block decoded in registers (k3.ops.mxfp4)
 }
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 MAX_ROWS = 4  # the few-row kernels serve calls of at most this many rows (decoding; docs/benchmarks.md, Dec 2)

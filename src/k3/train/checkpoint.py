@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 from k3.fileio import atomic_directory, atomic_path, atomic_write, describe_error, remove_stale_temporaries
-from k3.model.pretrained import dense_checkpoint_config
+from k3.checkpoint.quantization import with_experts_format
 
 LATEST = "latest"
 STATE_TENSORS = "trainer_state.safetensors"
@@ -302,7 +302,7 @@ def save_sharded_checkpoint(run_dir: str | os.PathLike, step: int, model, files,
         _agree(error, "writing the checkpoint shards")
         if main:
             try:
-                dense_checkpoint_config(model.config).released_layout().save(tmp)
+                with_experts_format(model.config.released_layout(), "dense").save(tmp)
                 files.save(tmp)
                 with atomic_path(tmp / STATE_TENSORS) as path:
                     save_file(_rng_states(), path)

@@ -431,3 +431,48 @@ def test_plan_prints_the_per_gpu_memory_and_rejects_bad_meshes(capsys):
     assert main(["plan", "k3-small", "--gpus", "8", "--gpu-memory", "80", "--ep", "3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("k3 plan: error:") and "ep" in err and err.count("\n") == 1
+
+
+def test_plan_serve_prints_weights_caches_and_the_verdict(capsys, tmp_path):
+    """`k3 plan --serve`: MXFP4 and bf16 weight bytes of k3-full, one 1M-token sequence's caches, a mesh that fits
+    and one that does not; a checkpoint directory works as for `k3 info`."""
+    assert main(["plan", "k3-full", "--serve", "--experts", "mxfp4", "--context", "1048576"]) == 0
+    out = capsys.readouterr().out
+    assert "82,432 x 17,547,264 B" in out and "1,446,456,066,048" in out and "1,560.86" in out
+    assert "29,440,401,408" in out and "29.44" in out and "(27.42 GiB)" in out and "fits" not in out
+    assert main(["plan", "k3-full", "--serve", "--experts", "bf16"]) == 0
+    assert "5,445,481,660,416" in capsys.readouterr().out
+    for gpus, verdict in (("16", True), ("8", False)):
+        assert main(["plan", "k3-full", "--serve", "--gpus", gpus, "--gpu-memory", "141", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["fits"] is verdict and report["devices"] == int(gpus) and report["target"] == "mesh"
+    config = K3Config.from_preset("k3-tiny")
+    config.save(tmp_path)
+    assert main(["plan", str(tmp_path), "--serve", "--context", "4096", "--batch", "2", "--host-memory", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "batch of 2 sequences" in out and "fits        yes" in out and "one host of 1.00 GiB" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--serve", "--context", "0"], "context must be a positive integer"),
+    (["--serve", "--batch", "-2"], "batch must be a positive integer"),
+    (["--serve", "--gpus", "8"], "gpu_memory_gib"),
+    (["--serve", "--host-memory", "0"], "host_memory_gib"),
+    (["--serve", "--host-memory", "512", "--gpus", "8", "--gpu-memory", "141"], "not both"),
+    (["--serve", "--ep", "4"], "--ep is an option of the training plan"),
+    (["--serve", "--seq-len", "8192"], "--seq-len is an option of the training plan"),
+    (["--serve", "--dry-run"], "--dry-run is an option of the training plan"),
+    (["--gpus", "8", "--gpu-memory", "80", "--context", "4096"], "--context needs --serve"),
+    ([], "needs --gpus and --gpu-memory"),
+])
+def test_plan_serve_rejects_bad_input_in_one_line(capsys, argv, message):
+    assert main(["plan", "k3-tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k3 plan: error:") and message in err and err.count("\n") == 1
+
+
+def test_plan_serve_rejects_an_unknown_expert_format(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "k3-tiny", "--serve", "--experts", "fp8"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("k3 plan: error:") and "fp8" in err and err.count("\n") == 1

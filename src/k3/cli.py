@@ -6,6 +6,9 @@
     k3 generate CHECKPOINT --prompt TEXT [--image FILE] [...]   stream a continuation (captions with --image)
     k3 train [--task text|shapes] [--preset P] [--data PATH] (--steps N | --minutes M) [--out DIR] [...]
     k3 train --resume --out DIR [--steps N] [--lr LR] [...]   continue (or extend) a run with its own options
+    k3 plan PRESET_OR_PATH --gpus N --gpu-memory GIB [--ep N] [...]   training memory per GPU on a mesh
+    k3 plan PRESET_OR_PATH --serve [--experts mxfp4|bf16] [--context N] [--batch B] [--gpus N --gpu-memory GIB |
+            --host-memory GIB]                    serving memory: weights, caches, fits?
     python -m k3 ...                                 the same
 
 Every expected failure is one line on stderr, `k3 <cmd>: error: <message>`, with exit status 2 for a usage error
@@ -31,7 +34,7 @@ from k3.config import PRESETS, K3Config
 from k3.fileio import describe_error
 from k3.inference import generate
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
-from k3.model.accounting import architecture_report, human, published_comparison
+from k3.model.accounting import CONTEXTS, EXPERT_FORMATS, architecture_report, human, published_comparison
 from k3.runtime import huge_page_weights, keep_freed_memory
 from k3.tokenizer import K3Tokenizer
 
@@ -397,32 +400,65 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+_TRAINING_PLAN_OPTIONS = {"ep": "--ep", "tp": "--tp", "pp": "--pp", "micro_batch": "--micro-batch",
+                          "seq_len": "--seq-len", "activation_checkpointing": "--[no-]activation-checkpointing",
+                          "dry_run": "--dry-run"}
+_SERVING_PLAN_OPTIONS = {"experts": "--experts", "context": "--context", "batch": "--batch",
+                         "host_memory_gib": "--host-memory"}
+
+
+def _plan_options(args: argparse.Namespace, options: dict[str, str]) -> dict:
+    """The `options` (dest -> flag) given on the command line, as keyword arguments."""
+    return {dest: getattr(args, dest) for dest in options if getattr(args, dest) is not None}
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    """`k3 plan`: training memory per GPU on a mesh, or with --serve the memory of serving the model."""
+    own, other = (_SERVING_PLAN_OPTIONS, _TRAINING_PLAN_OPTIONS) if args.serve else \
+        (_TRAINING_PLAN_OPTIONS, _SERVING_PLAN_OPTIONS)
+    stray = _plan_options(args, other)
+    if stray:
+        flag = other[next(iter(stray))]
+        raise UsageError(f"{flag} is an option of the training plan, not of --serve" if args.serve
+                         else f"{flag} needs --serve (it is an option of the serving plan)")
+    if args.serve:
+        return _serve_plan(args, _plan_options(args, own))
     from k3.parallel.plan import format_plan, plan
 
-    result = plan(load_config(args.model), args.gpus, args.gpu_memory, ep=args.ep, tp=args.tp, pp=args.pp,
-                  micro_batch=args.micro_batch, seq_len=args.seq_len,
-                  activation_checkpointing=args.activation_checkpointing)
+    if args.gpus is None or args.gpu_memory is None:
+        raise UsageError("the training plan needs --gpus and --gpu-memory (or give --serve for the serving plan)")
+    options = _plan_options(args, own)
+    dry = options.pop("dry_run", False)
+    result = plan(load_config(args.model), args.gpus, args.gpu_memory, **options)
     report = result.to_dict()
-    if args.dry_run:
+    if dry:
         report["dry_run"] = _dry_run(args, result)
     print(json.dumps(report, indent=2) if args.json else format_plan(result))
-    if args.dry_run and not args.json:
+    if dry and not args.json:
         run = report["dry_run"]
-        print(f"dry run   {'EP + ' if args.ep > 1 else ''}FSDP2 sharding of the meta-device model under a fake process group of {args.gpus} ranks, "
+        print(f"dry run   {'EP + ' if result.ep > 1 else ''}FSDP2 sharding of the meta-device model under a fake process group of {args.gpus} ranks, "
               f"rank 0: dense {run['dense_params_per_rank']:,} (plan {result.dense_params_per_rank:,}), experts "
               f"{run['expert_params_per_rank']:,} (plan {result.expert_params_per_rank:,}): "
               f"{'match' if run['match'] else 'MISMATCH'}")
-    return 0 if not args.dry_run or report["dry_run"]["match"] else 1
+    return 0 if not dry or report["dry_run"]["match"] else 1
+
+
+def _serve_plan(args: argparse.Namespace, options: dict) -> int:
+    """`k3 plan --serve`: weights, caches and whether a host or GPU mesh holds them."""
+    from k3.parallel.serve_plan import format_serve_plan, serve_plan
+
+    result = serve_plan(load_config(args.model), gpus=args.gpus, gpu_memory_gib=args.gpu_memory, **options)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_serve_plan(result))
+    return 0
 
 
 def _dry_run(args: argparse.Namespace, result) -> dict:
     from k3.parallel.dry_run import dry_run
 
-    if (args.tp, args.pp) != (1, 1):
+    if (result.tp, result.pp) != (1, 1):
         raise ValueError("--dry-run shards with FSDP2 and expert parallelism (no tensor or pipeline parallelism "
                          "is built): give it without --tp and --pp")
-    counts = dry_run(load_config(args.model), args.gpus, args.ep)
+    counts = dry_run(load_config(args.model), args.gpus, result.ep)
     counts["match"] = (counts["dense_params_per_rank"] == result.dense_params_per_rank
                        and counts["expert_params_per_rank"] == result.expert_params_per_rank)
     return counts
@@ -447,20 +483,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="the picture: FILE.svg, .png or .pdf")
     p.set_defaults(func=cmd_diagram)
     p = sub.add_parser("plan", parents=[debug],
-                       help="per-GPU memory and traffic of training a model on a GPU mesh (analytic)")
+                       help="per-GPU memory and traffic of training a model on a GPU mesh, or with --serve the "
+                            "memory of serving it (analytic)")
     p.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a checkpoint directory / config.json")
-    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (= pp × tp × dp)")
-    p.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="memory of one GPU in GiB")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides dp and the expert count)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the attention/KDA projections")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages, cut at AttnRes block boundaries")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank and micro-batch")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
-    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--gpus", type=int, help="number of GPUs (training: = pp × tp × dp; needed without --serve)")
+    p.add_argument("--gpu-memory", type=float, metavar="GIB", help="memory of one GPU in GiB (with --gpus)")
+    p.add_argument("--ep", type=int, help="expert-parallel degree (divides dp and the expert count; default 1)")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree of the attention/KDA projections (default 1)")
+    p.add_argument("--pp", type=int, help="pipeline stages, cut at AttnRes block boundaries (default 1)")
+    p.add_argument("--micro-batch", type=int, help="sequences per rank and micro-batch (default 1)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 4096)")
+    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                    help="recompute each layer in backward (default on)")
-    p.add_argument("--dry-run", action="store_true",
+    p.add_argument("--dry-run", action="store_true", default=None,
                    help="also shard the real model on the meta device for --gpus ranks (fake process group) and "
                         "check rank 0's parameter counts against the plan")
+    serving = p.add_argument_group("serving (--serve)")
+    serving.add_argument("--serve", action="store_true",
+                         help="plan serving instead: weight bytes, caches per sequence, and whether a host "
+                              "(--host-memory) or a GPU mesh (--gpus, --gpu-memory; routed experts by expert "
+                              "parallelism, the rest split evenly) holds them")
+    serving.add_argument("--experts", choices=EXPERT_FORMATS,
+                         help="routed experts as released (MXFP4, 4.25 bits a weight; default) or dense bf16")
+    serving.add_argument("--context", type=int, help=f"tokens per sequence (default {CONTEXTS['1M']:,})")
+    serving.add_argument("--batch", type=int, help="sequences held at once (default 1)")
+    serving.add_argument("--host-memory", dest="host_memory_gib", type=float, metavar="GIB",
+                         help="memory of one CPU host in GiB")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("generate", parents=[debug],

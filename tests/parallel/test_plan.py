@@ -1,5 +1,6 @@
 """The analytic training-memory planner (`k3.parallel.plan`): exact per-rank shard sizes, the optimiser-state
-split, activations, all-to-all volume, mesh validation and the printed report."""
+split, activations, all-to-all volume, mesh validation and the printed report; the serving plan
+(`k3.parallel.serve_plan`): weight bytes per expert format, caches, fits on a mesh or a host."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
-from k3.model.accounting import count_parameters
+from k3.model.accounting import cache_sizes, count_parameters
 from k3.parallel.plan import (GIB, KINDS, USABLE_FRACTION, format_plan, layer_activations, parameter_census, plan)
+from k3.parallel.serve_plan import format_serve_plan, serve_plan
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +227,103 @@ def test_dry_run_shards_the_real_model_like_the_plan():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert result.stdout.split() == ["True", "True", "True", "Shard(0)"] * 2 + ["True", "True", "True", "Shard(1)"], \
         result.stdout + result.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------ serving
+# k3-full by hand (§2.1, §2.2, §2.4, §11.5): 92 MoE layers × 896 experts of 3·3072·3584 weights; the text weights
+# other than the routed experts; the §0.4 fp32 set (per KDA layer: conv 3·12288·4, dt_bias 12288, A_log 96,
+# o_norm 128; per MoE layer the 896 router biases); MoonViT-V2 + projector.
+FULL_EXPERTS, EXPERT_WEIGHTS = 92 * 896, 3 * 3072 * 3584
+FULL_OTHER_TEXT = 2_779_484_476_000 - 2_722_740_830_208
+FULL_FP32_SET = 69 * (3 * 12288 * 4 + 12288 + 96 + 128) + 92 * 896
+FULL_VISION = 401_214_464 + 46_144_512
+MIB = 2**20
+
+
+def test_serving_weights_per_expert_format(full):
+    """MXFP4 experts: 17,547,264 B each (4.25 bits a weight), 82,432 of them = 1.446 TB, all weights ≈ 1.56 TB;
+    bf16 experts: 5.45 TB; every other weight bf16 (the fp32 set 4 B) in both."""
+    mx, bf = serve_plan(full, "mxfp4"), serve_plan(full, "bf16")
+    assert mx.expert_bytes == EXPERT_WEIGHTS * 17 // 32 == 17_547_264
+    assert mx.routed_experts == FULL_EXPERTS == 82_432
+    assert mx.routed_expert_bytes == 17_547_264 * 82_432 == 1_446_456_066_048
+    assert bf.routed_expert_bytes == 2 * 2_722_740_830_208 == 5_445_481_660_416
+    for p in (mx, bf):
+        assert p.other_text_bytes == 2 * FULL_OTHER_TEXT + 2 * FULL_FP32_SET == 113_509_532_032
+        assert p.vision_bytes == 2 * FULL_VISION
+    assert round(mx.weights / 1e12, 2) == 1.56 and round(bf.weights / 1e12, 2) == 5.56
+    assert round(mx.routed_expert_bytes / 1e12, 3) == 1.446 and round(bf.routed_expert_bytes / 1e12, 2) == 5.45
+
+
+def test_serving_caches_follow_the_accounting(full):
+    """One 1M-token sequence: 24·576 bf16 numbers per token + 69 fp32 [96, 128, 128] states + 69 conv windows
+    (3·12288 channels × 3 past inputs, bf16) = 29,440,401,408 B = 29.4 GB (27.42 GiB)."""
+    p = serve_plan(full, context=MIB)
+    assert p.cache_bytes == {"mla_latent": 24 * 576 * 2 * MIB, "kda_state": 69 * 96 * 128 * 128 * 4,
+                             "kda_conv": 69 * 3 * 12288 * 3 * 2}
+    assert p.sequence_cache == cache_sizes(full).bytes_at(MIB) == 29_440_401_408
+    assert round(p.sequence_cache / 1e9, 1) == 29.4 and round(p.sequence_cache / GIB, 2) == 27.42
+    short = serve_plan(full, context=4096, batch=3)
+    assert short.cache_bytes["mla_latent"] * 256 == p.cache_bytes["mla_latent"]  # linear in the context
+    assert short.cache_bytes["kda_state"] == p.cache_bytes["kda_state"]  # independent of it
+    assert short.caches == 3 * short.sequence_cache and short.total == short.weights + short.caches
+
+
+@pytest.mark.parametrize("experts,gpus,fits", [("mxfp4", 8, False), ("mxfp4", 16, True), ("mxfp4", 32, True),
+                                               ("bf16", 32, False), ("bf16", 64, True)])
+def test_serving_mesh_fits(full, experts, gpus, fits):
+    """H200s (141 GiB, 90 % usable) holding k3-full and one 1M-token sequence: the fullest GPU holds
+    ceil(896 / N) experts of each MoE layer and 1/N of everything else."""
+    p = serve_plan(full, experts, gpus=gpus, gpu_memory_gib=141)
+    assert p.experts_per_device == -(-896 // gpus)
+    assert p.device_bytes == {"routed_experts": p.experts_per_device * 92 * p.expert_bytes,
+                              "other_weights": -(-(p.weights - p.routed_expert_bytes) // gpus),
+                              "caches": -(-p.sequence_cache // gpus)}
+    assert p.usable_bytes == int(141 * GIB * USABLE_FRACTION)
+    assert p.fits is fits is (p.device_total <= p.usable_bytes)
+
+
+def test_serving_uneven_meshes_and_hosts(full):
+    """12 GPUs: 75 experts of a layer on the fullest (896 = 74⅔ × 12); more GPUs than experts: one each. A host
+    holds everything."""
+    assert serve_plan(full, gpus=12, gpu_memory_gib=141).experts_per_device == 75
+    assert serve_plan(full, gpus=1024, gpu_memory_gib=141).experts_per_device == 1
+    host = serve_plan(full, context=4096, host_memory_gib=2048)
+    assert host.target == "host" and host.device_total == host.total and host.fits
+    assert not serve_plan(full, context=4096, host_memory_gib=1024).fits
+    assert not serve_plan(full, "bf16", context=4096, host_memory_gib=2048).fits
+    alone = serve_plan(full)
+    assert alone.target == "none" and alone.fits is None and alone.device_total == alone.total
+
+
+@pytest.mark.parametrize("kwargs,option", [
+    (dict(context=0), "context"), (dict(batch=-1), "batch"), (dict(experts="fp8"), "experts"),
+    (dict(gpus=8), "gpu_memory_gib"), (dict(gpu_memory_gib=141), "gpus"), (dict(gpus=0, gpu_memory_gib=141), "gpus"),
+    (dict(gpus=8, gpu_memory_gib=float("inf")), "gpu_memory_gib"), (dict(host_memory_gib=-1), "host_memory_gib"),
+    (dict(host_memory_gib=512, gpus=8, gpu_memory_gib=141), "host_memory_gib"), (dict(usable_fraction=0), "usable"),
+])
+def test_bad_serving_inputs_raise_naming_the_option(full, kwargs, option):
+    with pytest.raises(ValueError) as e:
+        serve_plan(full, **kwargs)
+    assert option in str(e.value) and "\n" not in str(e.value)
+
+
+def test_mxfp4_needs_rows_of_32():
+    """A routed-expert row that is not a whole number of 32-weight groups has no MXFP4 form."""
+    config = K3Config.from_preset("k3-tiny", routed_expert_hidden_size=48)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        serve_plan(config)
+    assert serve_plan(config, "bf16").expert_bytes == 2 * 3 * 48 * config.moe_intermediate_size
+
+
+def test_format_serve_plan_shows_the_key_numbers(full):
+    p = serve_plan(full, gpus=16, gpu_memory_gib=141)
+    text = format_serve_plan(p)
+    for number in (p.routed_expert_bytes, p.other_text_bytes, p.weights, p.sequence_cache, p.total):
+        assert f"{number:,}" in text and f"{number / 1e9:,.2f}" in text
+    assert "82,432 x 17,547,264 B" in text and "56 of the 896" in text and "fits        yes" in text
+    assert f"{p.device_total / GIB:,.2f} GiB" in text and "4.25 bits" in text
+    assert "mesh" not in format_serve_plan(serve_plan(full)) and "vision" not in format_serve_plan(
+        serve_plan(K3Config.from_preset("k3-tiny")))
+    d = json.loads(json.dumps(p.to_dict()))
+    assert d["weights"] == p.weights and d["fits"] is True and d["device_bytes"] == p.device_bytes

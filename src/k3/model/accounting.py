@@ -7,6 +7,7 @@ touches, excluding the input-embedding table and the unselected routed experts.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.k3 import K3DecoderLayer, K3ForCausalLM
 from k3.model.multimodal import K3ForConditionalGeneration
+from k3.ops.mxfp4 import GROUP_SIZE
+from k3.ops.precision import is_fp32_tensor
 
 COMPONENTS = ("embedding", "lm_head", "kda", "mla", "norms_attn_res", "dense_ffn", "moe_fixed", "routed_experts")
 VISION_COMPONENTS = ("vision_tower", "mm_projector")  # outside both headline numbers (§2.2)
@@ -91,9 +94,14 @@ class CacheSizes:
     kda_state_bytes_per_sequence: int  # over all KDA layers, fp32
     kda_conv_bytes_per_sequence: int  # short-conv windows, activation dtype
 
+    def parts_at(self, tokens: int) -> dict[str, int]:
+        """Cache bytes of one sequence of `tokens` tokens: MLA latent, KDA state, KDA conv windows."""
+        return {"mla_latent": self.mla_bytes_per_token * tokens, "kda_state": self.kda_state_bytes_per_sequence,
+                "kda_conv": self.kda_conv_bytes_per_sequence}
+
     def bytes_at(self, tokens: int) -> int:
         """Cache bytes of one sequence of `tokens` tokens."""
-        return self.mla_bytes_per_token * tokens + self.kda_state_bytes_per_sequence + self.kda_conv_bytes_per_sequence
+        return sum(self.parts_at(tokens).values())
 
 
 def cache_sizes(config: K3Config, activation_bytes: int = 2) -> CacheSizes:
@@ -103,6 +111,35 @@ def cache_sizes(config: K3Config, activation_bytes: int = 2) -> CacheSizes:
     per_token = n_mla * (config.kv_lora_rank + config.qk_rope_head_dim)
     conv = n_kda * 3 * H * K * (config.short_conv_kernel_size - 1)
     return CacheSizes(per_token, per_token * activation_bytes, n_kda * H * K * K * 4, conv * activation_bytes)
+
+
+EXPERT_FORMATS = ("mxfp4", "bf16")
+"""How the routed experts are held: the released MXFP4 packing (§11.5) or dense bf16."""
+
+
+def mxfp4_bytes(shape: tuple[int, ...]) -> int:
+    """Bytes of an MXFP4 weight of logical `shape` (§11.5, rows along the last dim): one 4-bit code per weight, two
+    per uint8, and one uint8 E8M0 scale per GROUP_SIZE weights of a row (4.25 bits a weight)."""
+    if shape[-1] % GROUP_SIZE:
+        raise ValueError(f"MXFP4 packs rows of a multiple of {GROUP_SIZE} weights; a routed expert weight of shape "
+                         f"{list(shape)} has rows of {shape[-1]}")
+    weights = math.prod(shape)
+    return weights // 2 + weights // GROUP_SIZE
+
+
+def weight_bytes(model: nn.Module, config: K3Config, experts: str = "mxfp4") -> dict[str, int]:
+    """Bytes of each component's stored tensors (COMPONENTS + VISION_COMPONENTS) with the routed experts in the
+    `experts` format (EXPERT_FORMATS), the §0.4 fp32 set in fp32 and every other tensor in bf16."""
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts must be one of {', '.join(EXPERT_FORMATS)}, got {experts!r}")
+    sizes = dict.fromkeys(COMPONENTS + VISION_COMPONENTS, 0)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        component = component_of(name, config)
+        if component == "routed_experts" and experts == "mxfp4":
+            sizes[component] += mxfp4_bytes(tuple(tensor.shape))
+        else:
+            sizes[component] += tensor.numel() * (4 if is_fp32_tensor(name) else 2)
+    return sizes
 
 
 def forward_flops_per_token(config: K3Config, params: ParamCount, context: int) -> int:

@@ -359,9 +359,22 @@ class _Segment:
         return sum(n * (2 * FP32_BYTES + OPTIMIZER_STATE_BYTES[k]) for k, n in self.params.items()) + self.buffer_bytes
 
 
-def _positive_int(name: str, value: Any) -> None:
+def require_positive_int(name: str, value: Any) -> None:
+    """Raise ValueError, naming `name`, unless `value` is an int > 0."""
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def require_positive_gib(name: str, value: Any) -> None:
+    """Raise ValueError, naming `name`, unless `value` is a finite number of GiB > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of GiB, got {value!r}")
+
+
+def require_usable_fraction(value: Any) -> None:
+    """Raise ValueError unless `value` is a fraction in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"usable_fraction must be in (0, 1], got {value!r}")
 
 
 def validate_mesh(config: K3Config, gpus: int, gpu_memory_gib: float, ep: int = 1, tp: int = 1, pp: int = 1,
@@ -370,13 +383,9 @@ def validate_mesh(config: K3Config, gpus: int, gpu_memory_gib: float, ep: int = 
     """Raise ValueError, one line naming the option, for a mesh or batch the layout cannot realise."""
     for name, value in (("gpus", gpus), ("ep", ep), ("tp", tp), ("pp", pp), ("micro_batch", micro_batch),
                         ("seq_len", seq_len)):
-        _positive_int(name, value)
-    if isinstance(gpu_memory_gib, bool) or not isinstance(gpu_memory_gib, (int, float)) \
-            or not math.isfinite(gpu_memory_gib) or gpu_memory_gib <= 0:
-        raise ValueError(f"gpu_memory_gib must be a positive number of GiB, got {gpu_memory_gib!r}")
-    if isinstance(usable_fraction, bool) or not isinstance(usable_fraction, (int, float)) \
-            or not 0 < usable_fraction <= 1:
-        raise ValueError(f"usable_fraction must be in (0, 1], got {usable_fraction!r}")
+        require_positive_int(name, value)
+    require_positive_gib("gpu_memory_gib", gpu_memory_gib)
+    require_usable_fraction(usable_fraction)
     if expert_sharding not in EXPERT_SHARDING:
         raise ValueError(f"expert_sharding must be one of {', '.join(EXPERT_SHARDING)}, got {expert_sharding!r}")
     if gpus % (tp * pp):

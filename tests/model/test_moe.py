@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from conformance import spread_weights_
+from k3.checkpoint.hf import convert_experts
+from k3.checkpoint.quantization import with_experts_format
 from k3.model.moe import MoEGate, StableLatentMoE
+from k3.ops.mxfp4 import MXFP4Weight
 from routing import TIE_TOL, top_k_margin
 
 D, E, K, L, M = 64, 8, 2, 48, 20  # §12.2: hidden, experts, top-k, latent, expert width
@@ -275,3 +278,21 @@ def test_fused_decode_routing_matches_the_torch_ops(tiny_config, monkeypatch, fo
     with torch.no_grad():
         torch.testing.assert_close(moe(x), fused, rtol=1e-5, atol=1e-6)
     assert seen == [1] and calls == []  # the hooked gate ran as a module
+
+
+@pytest.mark.parametrize("impl", ["grouped", "loop"])
+@pytest.mark.parametrize("tokens_", [3, 45])  # few rows an expert (the in-register kernel), many (decoded tiles)
+def test_packed_experts_equal_their_decoded_weights(tiny_config, impl, tokens_):
+    """A layer with MXFP4 experts computes what the same layer with the decoded dense weights computes (§11.5)."""
+    config = tiny_config(moe_impl=impl, routed_expert_hidden_size=64, moe_intermediate_size=32)
+    packed_moe = StableLatentMoE(with_experts_format(config, "mxfp4"))
+    dense_moe = make_moe(config, seed=11)
+    prefix = "model.layers.1.block_sparse_moe."  # convert_experts reads the model's names
+    state = convert_experts({prefix + k: v for k, v in dense_moe.state_dict().items()}, "mxfp4")
+    packed_moe.load_state_dict({k.removeprefix(prefix): v for k, v in state.items()})
+    decoded = convert_experts(state, "dense")  # the decoded values, exact in bf16, held in fp32
+    dense_moe.load_state_dict({k.removeprefix(prefix): v for k, v in decoded.items()})
+    assert isinstance(packed_moe.experts.w1, MXFP4Weight)
+    x = tokens(tokens_, 12)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(packed_moe(x), dense_moe(x), rtol=1e-5, atol=1e-5)

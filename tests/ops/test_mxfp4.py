@@ -1,9 +1,12 @@
-"""MXFP4 decode/encode (docs/architecture.md §11.5)."""
+"""MXFP4 decode/encode and the packed experts' products: kernel and tiles against the decode-then-matmul reference
+(docs/architecture.md §11.5)."""
 
 import pytest
 import torch
 
 from k3.checkpoint import decode_mxfp4, encode_mxfp4
+from k3.ops import compiled, mxfp4
+from k3.ops.mxfp4 import MXFP4Weight, expert_linear, expert_linear_reference
 
 FP4_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -107,3 +110,93 @@ def test_encode_rejects_bad_inputs():
         encode_mxfp4(torch.zeros(2, 48))
     with pytest.raises(ValueError, match="inf or NaN"):
         encode_mxfp4(torch.full((1, 32), float("inf")))
+
+
+def test_decode_keeps_leading_axes():
+    packed, scale = _random_mxfp4(out=6, groups=2, seed=3)
+    stacked = decode_mxfp4(packed.view(2, 3, 32), scale.view(2, 3, 2), torch.float32)
+    assert torch.equal(stacked.view(6, 64), decode_mxfp4(packed, scale, torch.float32))
+
+
+def _experts(E, O, I, seed=0):
+    """Packed experts with random codes and scales around 2^0 (products stay well inside fp32's range)."""
+    weight = MXFP4Weight(E, O, I)
+    generator = torch.Generator().manual_seed(seed)
+    weight.weight_packed.copy_(torch.randint(0, 256, weight.weight_packed.shape, generator=generator))
+    weight.weight_scale.copy_(torch.randint(120, 134, weight.weight_scale.shape, generator=generator))
+    return weight
+
+
+def _relative(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+needs_kernel = pytest.mark.skipif(compiled.load("mxfp4") is None, reason="the compiled mxfp4 kernel is unavailable")
+
+
+@needs_kernel
+@pytest.mark.parametrize(("O", "I"), [(37, 96), (8, 32), (53, 224)])
+def test_kernel_equals_reference_with_ragged_rows(O, I, monkeypatch):
+    """Few rows per expert (0..8, ragged): the in-register kernel, equal to decode-then-matmul to fp32 rounding."""
+    weight = _experts(6, O, I)
+    counts = torch.tensor([3, 0, 1, 8, 0, 2])
+    x = torch.randn(int(counts.sum()), I, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(mxfp4, "_tiled", None)  # the kernel must take these calls
+    with torch.no_grad():
+        y = expert_linear(x, weight, counts)
+    assert _relative(y, expert_linear_reference(x, weight, counts)) < 1e-6
+
+
+@needs_kernel
+def test_kernel_reads_every_scale_code_exactly():
+    """The compiled decoding equals decode_mxfp4 bit for bit for every code and every finite E8M0 scale (0..254,
+    the subnormal 2^-127 included)."""
+    packed = torch.arange(256, dtype=torch.uint8).repeat(255, 1)  # [255 rows, 256 bytes]: every byte per row
+    scale = torch.arange(255, dtype=torch.uint8).unsqueeze(1).repeat(1, 16)
+    out = torch.empty(255, 512)
+    compiled.load("mxfp4").dequantize(packed, scale, out)
+    assert torch.equal(out, decode_mxfp4(packed, scale, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiles_equal_reference_and_bound_their_buffer(dtype, monkeypatch):
+    """Many rows: one decoded tile at a time (several tiles an expert, a partial last one), equal to the reference."""
+    monkeypatch.setattr(mxfp4, "TILE_VALUES", 5 * 96)  # tiles of 5 of the 37 rows
+    weight = _experts(4, 37, 96, seed=2)
+    counts = torch.tensor([20, 0, 13, 9])
+    x = torch.randn(int(counts.sum()), 96, generator=torch.Generator().manual_seed(3)).to(dtype)
+    with torch.no_grad():
+        y = expert_linear(x, weight, counts)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y, expert_linear_reference(x, weight, counts), rtol=0,
+                               atol=(1e-5 if dtype == torch.float32 else 2e-2) * y.abs().max().item())
+
+
+def test_gradient_flows_to_the_rows():
+    """With autograd the tiles serve (the kernel has no backward): dx equals the reference's."""
+    weight = _experts(3, 16, 64, seed=4)
+    counts = torch.tensor([2, 1, 2])
+    x = torch.randn(5, 64, requires_grad=True)
+    grad = torch.randn(5, 16)
+    (expert_linear(x, weight, counts) * grad).sum().backward()
+    reference = x.detach().clone().requires_grad_()
+    (expert_linear_reference(reference, weight, counts) * grad).sum().backward()
+    torch.testing.assert_close(x.grad, reference.grad)
+
+
+def test_no_rows():
+    weight = _experts(3, 16, 64)
+    assert expert_linear(torch.empty(0, 64), weight, torch.zeros(3, dtype=torch.long)).shape == (0, 16)
+
+
+def test_weight_object_round_trip():
+    """quantize_ encodes each expert as encode_mxfp4 does; dequantize decodes them all."""
+    dense = torch.randn(3, 10, 64) * 0.05
+    weight = MXFP4Weight(3, 10, 64).quantize_(dense)
+    assert weight.shape == (3, 10, 64)
+    for e in range(3):
+        packed, scale = encode_mxfp4(dense[e])
+        assert torch.equal(weight.weight_packed[e], packed) and torch.equal(weight.weight_scale[e], scale)
+    assert torch.equal(weight.dequantize(), decode_mxfp4(weight.weight_packed, weight.weight_scale, torch.float32))
+    with pytest.raises(ValueError, match="divisible by 32"):
+        MXFP4Weight(1, 4, 48)

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from k3.checkpoint.quantization import with_experts_format
 from k3.cli import caption_accuracy_line, main
 from k3.inference import generate
 from k3.config import K3Config
@@ -446,11 +447,12 @@ def test_plan_serve_prints_weights_caches_and_the_verdict(capsys, tmp_path):
         assert main(["plan", "k3-full", "--serve", "--gpus", gpus, "--gpu-memory", "141", "--json"]) == 0
         report = json.loads(capsys.readouterr().out)
         assert report["fits"] is verdict and report["devices"] == int(gpus) and report["target"] == "mesh"
-    config = K3Config.from_preset("k3-tiny")
-    config.save(tmp_path)
+    with_experts_format(K3Config.from_preset("k3-tiny"), "mxfp4").save(tmp_path)  # declares MXFP4, as released
+    assert main(["plan", "k3-tiny", "--serve", "--context", "4096", "--batch", "2", "--host-memory", "1"]) == 0
+    preset = capsys.readouterr().out
     assert main(["plan", str(tmp_path), "--serve", "--context", "4096", "--batch", "2", "--host-memory", "1"]) == 0
     out = capsys.readouterr().out
-    assert "batch of 2 sequences" in out and "fits        yes" in out and "one host of 1.00 GiB" in out
+    assert out == preset and "batch of 2 sequences" in out and "fits        yes" in out and "host of 1.00 GiB" in out
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -10,9 +10,10 @@ import math
 import pytest
 import torch
 
+from k3.checkpoint.quantization import with_experts_format
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
-from k3.model.accounting import cache_sizes, count_parameters
+from k3.model.accounting import architecture_report, cache_sizes, count_parameters
 from k3.parallel.plan import (GIB, KINDS, USABLE_FRACTION, format_plan, layer_activations, parameter_census, plan)
 from k3.parallel.serve_plan import format_serve_plan, serve_plan
 
@@ -314,6 +315,17 @@ def test_mxfp4_needs_rows_of_32():
     with pytest.raises(ValueError, match="multiple of 32"):
         serve_plan(config)
     assert serve_plan(config, "bf16").expert_bytes == 2 * 3 * 48 * config.moe_intermediate_size
+
+
+def test_a_config_declaring_mxfp4_experts_plans_like_its_dense_twin():
+    """The release's config.json declares MXFP4 experts (a model built from it holds packed uint8 pairs): counts,
+    serving bytes and the training plan all start from the logical [E, out, in] shapes all the same."""
+    dense = K3Config.from_preset("k3-tiny")
+    packed = with_experts_format(dense, "mxfp4")
+    assert architecture_report(packed)["total_params"] == architecture_report(dense)["total_params"]
+    for experts in ("mxfp4", "bf16"):
+        assert serve_plan(packed, experts, context=4096) == serve_plan(dense, experts, context=4096)
+    assert plan(packed, 8, 80, ep=4) == plan(dense, 8, 80, ep=4)
 
 
 def test_format_serve_plan_shows_the_key_numbers(full):

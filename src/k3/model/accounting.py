@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from k3.checkpoint.quantization import with_experts_format
 from k3.config import K3Config
 from k3.model.k3 import K3DecoderLayer, K3ForCausalLM
 from k3.model.multimodal import K3ForConditionalGeneration
@@ -192,7 +193,9 @@ def mtp_layer_params(config: K3Config) -> tuple[int, int]:
 
 
 def meta_model(config: K3Config) -> nn.Module:
-    """`config`'s model on the meta device (shapes only, no memory): text-only or multimodal."""
+    """`config`'s model on the meta device (shapes only, no memory): text-only or multimodal, its routed experts
+    dense whatever form the config declares (so every count and byte size starts from the logical shapes)."""
+    config = with_experts_format(config, "dense")
     with torch.device("meta"):
         return K3ForCausalLM(config) if config.vision_config is None else K3ForConditionalGeneration(config)
 

@@ -70,6 +70,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from k3.checkpoint.quantization import with_experts_format
 from k3.config import K3Config
 from k3.model.accounting import component_of
 from k3.model.k3 import K3ForCausalLM
@@ -126,7 +127,8 @@ def parameter_census(config: K3Config, model: nn.Module | None = None) -> tuple[
     key = json.dumps(config.to_text_dict(), sort_keys=True, default=str)
     if key not in _CENSUS_CACHE:
         with torch.device("meta"):
-            meta_model = K3ForCausalLM(config)  # shapes only: the meta device skips the weight init
+            # shapes only: the meta device skips the weight init; training holds the routed experts dense
+            meta_model = K3ForCausalLM(with_experts_format(config, "dense"))
         if len(_CENSUS_CACHE) >= 8:
             _CENSUS_CACHE.clear()
         _CENSUS_CACHE[key] = _census(meta_model, config)

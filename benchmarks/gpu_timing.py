@@ -108,6 +108,8 @@ def main(argv=None):
     parser.add_argument("--prompt", type=int, default=16, help="decode: prompt length")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="decode: timed calls of each length")
+    parser.add_argument("--kda-impl", default="auto", help="K3Config.kda_impl: auto (fla on CUDA where installed), "
+                        "chunk (the torch ops), fla")
     parser.add_argument("--quick", action="store_true", help="k3-tiny, 2×64, 8 decode tokens, 1 timed step")
     args = parser.parse_args(argv)
     if args.quick:
@@ -119,7 +121,7 @@ def main(argv=None):
         return 2
 
     torch.manual_seed(0)
-    config = k3.K3Config.from_preset(args.preset)
+    config = k3.K3Config.from_preset(args.preset, kda_impl=args.kda_impl)
     model = k3.K3ForCausalLM(config).to(device)
     params = count_parameters(model, config)
     from k3.ops.kda.gpu import use_fla

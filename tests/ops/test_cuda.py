@@ -130,5 +130,9 @@ def test_training_step_on_cuda_matches_the_cpu_step():
         model.train()
         model(input_ids=ids.to(device), labels=ids.to(device)).loss.backward()
     for (name, p_cpu), p_gpu in zip(cpu.named_parameters(), gpu.parameters()):
+        if p_cpu.grad is None:  # outside the loss's graph on both devices: layer 0's AttnRes query and gain (its
+            # bank of earlier blocks is empty, so the mix is skipped)
+            assert p_gpu.grad is None, name
+            continue
         scale = p_cpu.grad.abs().max().clamp_min(1e-8)
         torch.testing.assert_close(p_gpu.grad.cpu() / scale, p_cpu.grad / scale, rtol=0, atol=5e-3, msg=name)

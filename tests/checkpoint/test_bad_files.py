@@ -66,6 +66,14 @@ def _unknown_dtype(data: bytes) -> bytes:
     return _edit_header(data, lambda entry: entry.__setitem__("dtype", "XYZ"))
 
 
+def _shape_grows(data: bytes) -> bytes:
+    return _edit_header(data, lambda entry: entry["shape"].__setitem__(1, entry["shape"][1] + 1))
+
+
+def _offsets_reversed(data: bytes) -> bytes:
+    return _edit_header(data, lambda entry: entry.__setitem__("data_offsets", entry["data_offsets"][::-1]))
+
+
 CORRUPTIONS = [
     ("truncated data", lambda d: d[:-100], "truncated: its header describes"),
     ("truncated header", lambda d: d[:50], "truncated or not a safetensors file: its first 8 bytes announce"),
@@ -75,7 +83,10 @@ CORRUPTIONS = [
     ("header not JSON", lambda d: struct.pack("<Q", 5) + b"hello", "its header is not valid JSON"),
     ("header claims more data", _header_claims_more, "truncated: its header describes 1,00"),
     ("trailing bytes", lambda d: d + b"junk", "4 bytes follow the"),
-    ("unknown dtype", _unknown_dtype, "not a valid safetensors file (Error while deserializing header"),
+    ("unknown dtype", _unknown_dtype, "tensor lm_head.weight has dtype XYZ, which torch cannot load"),
+    ("data does not fit the shape", _shape_grows, "the data of 1 tensor does not fit its dtype and shape "
+                                                  "(lm_head.weight: F32 [6, 5] in 96 bytes)"),
+    ("malformed entry", _offsets_reversed, "malformed header entries for lm_head.weight"),
 ]
 
 

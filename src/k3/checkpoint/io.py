@@ -2,23 +2,23 @@
 
 A checkpoint directory holds either one ``model.safetensors`` or shards ``model-0000i-of-0000N.safetensors``
 listed by ``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``).
-Tensors are read lazily, one at a time, through ``safetensors.safe_open``; nothing is ever unpickled.
+Tensors are read lazily, one at a time, by positioned reads into their own memory (the header is JSON and the data
+raw little-endian bytes, so nothing is ever unpickled); files are written with ``safetensors``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
+import math
 import os
 import re
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -47,23 +47,37 @@ def load_checkpoint_state(
     path: str | os.PathLike,
     expected: Mapping[str, ExpectedShape],
     dtype: torch.dtype | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, Tensor]:
     """Load the weights of a checkpoint into the internal layout described by ``expected``.
 
     ``path`` is a checkpoint directory (sharded with an index, or one ``model.safetensors``) or a single
     ``.safetensors`` file. ``expected`` maps internal names to shapes or tensors (e.g. ``model.state_dict()``,
-    meta tensors are fine). Names, shapes and dtypes are validated before any data is read; see
-    ``from_hf_state_dict`` for the translation and dtype rules. A malformed checkpoint (a truncated or foreign
-    weight file, a bad index, an index entry naming a file outside the directory) raises a one-line
-    ``CheckpointError`` naming the file and the problem.
+    meta tensors are fine). Every file's framing and every name, shape and dtype are validated before any tensor
+    data is read; see ``from_hf_state_dict`` for the translation and dtype rules. A malformed checkpoint (a
+    truncated or foreign weight file, a bad index, an index entry naming a file outside the directory) raises a
+    one-line ``CheckpointError`` naming the file and the problem.
+
+    Tensors are read one at a time with positioned reads straight into their new memory (a stored dtype that
+    needs no cast lands in place; a cast goes through one temporary of that tensor's size), so the memory held is
+    the tensors built so far plus one tensor, whatever the shard sizes; nothing is memory-mapped into the process.
+    ``progress``, if given, is called with the bytes of each tensor read.
     """
-    with contextlib.ExitStack() as open_files:
-        stored = {}
-        for file, listed in _weight_files(Path(path)).items():
-            handle = open_files.enter_context(_open_safetensors(file))
-            stored.update((name, _SafetensorsEntry(handle, name, file))
-                          for name in _names_to_read(file, handle, listed))
-        return from_hf_state_dict(stored, expected, dtype)
+    stored = {}
+    for file, listed in _weight_files(Path(path)).items():
+        header, data_start = _read_header(file)
+        stored.update((name, _SafetensorsEntry(file, name, header[name], data_start, progress))
+                      for name in _names_to_read(file, header, listed))
+    return from_hf_state_dict(stored, expected, dtype)
+
+
+def checkpoint_bytes(path: str | os.PathLike) -> int:
+    """The bytes of tensor data in a checkpoint's weight files (what `load_checkpoint_state` reads at most)."""
+    total = 0
+    for file, listed in _weight_files(Path(path)).items():
+        header, _ = _read_header(file)
+        total += sum(_data_size(header[name]) for name in _names_to_read(file, header, listed))
+    return total
 
 
 _SAFETENSORS_DTYPES = {code: getattr(torch, name) for code, name in (
@@ -80,42 +94,56 @@ _MAX_HEADER_SIZE = 100_000_000
 
 @dataclass(frozen=True)
 class _SafetensorsEntry:
-    """One tensor of an open safetensors file, read only when ``load`` is called (an ``hf.LazyTensor``)."""
+    """One tensor of a safetensors file, read only when ``load`` is called (an ``hf.LazyTensor``)."""
 
-    handle: Any
-    name: str
     file: Path
+    name: str
+    entry: Mapping[str, Any]  # the header's {"dtype", "shape", "data_offsets"}
+    data_start: int  # where the data section begins in the file
+    progress: Callable[[int], None] | None = None
 
     @property
     def shape(self) -> list[int]:
-        return self.handle.get_slice(self.name).get_shape()
+        return list(self.entry["shape"])
 
     @property
     def dtype(self) -> torch.dtype:
-        code = self.handle.get_slice(self.name).get_dtype()
+        code = self.entry["dtype"]
         if code not in _SAFETENSORS_DTYPES:
             raise CheckpointError(f"{self.file}: tensor {self.name} has dtype {code}, which torch cannot load")
         return _SAFETENSORS_DTYPES[code]
 
     def load(self) -> Tensor:
-        try:
-            return self.handle.get_tensor(self.name)
-        except (SafetensorError, OSError) as error:
-            raise CheckpointError(f"{self.file}: cannot read tensor {self.name} ({error})") from None
+        """The tensor in new memory, its bytes read from the file straight into it."""
+        tensor = torch.empty(self.shape, dtype=self.dtype)
+        begin, end = self.entry["data_offsets"]
+        size = end - begin  # the dtype and shape's size (`_read_header`)
+        if size:
+            target = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            try:
+                with open(self.file, "rb", buffering=0) as fh:
+                    fh.seek(self.data_start + begin)
+                    got = fh.readinto(target)
+            except OSError as error:
+                raise CheckpointError(f"{self.file}: cannot read tensor {self.name} "
+                                      f"({error.strerror or error})") from None
+            if got != size:
+                raise CheckpointError(f"{self.file}: truncated while reading tensor {self.name}")
+        if self.progress is not None:
+            self.progress(size)
+        return tensor
 
 
-def _open_safetensors(file: Path) -> Any:
-    """``safe_open(file)``, after checking the file's framing so that an empty, truncated or foreign file is
-    reported as a ``CheckpointError`` naming it and the problem (safetensors' own errors are wrapped too)."""
-    _check_safetensors_framing(file)
-    try:
-        return safe_open(file, framework="pt")
-    except (SafetensorError, OSError) as error:
-        raise CheckpointError(f"{file}: not a valid safetensors file ({error})") from None
+def _data_size(entry: Mapping[str, Any]) -> int:
+    begin, end = entry["data_offsets"]
+    return end - begin
 
 
-def _check_safetensors_framing(file: Path) -> None:
-    """An 8-byte little-endian header length, a JSON header, then exactly the data the header describes."""
+def _read_header(file: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file (its tensors by name, ``__metadata__`` dropped) and where its data
+    begins, after checking the file's framing: an 8-byte little-endian header length, a JSON object whose entries
+    each have a dtype, a shape and data offsets, then exactly the data the header describes. An empty, truncated
+    or foreign file is a ``CheckpointError`` naming it and the problem."""
     try:
         size = file.stat().st_size
         with open(file, "rb") as fh:
@@ -135,16 +163,36 @@ def _check_safetensors_framing(file: Path) -> None:
         raise CheckpointError(f"{file}: not a safetensors file: its header is not valid JSON ({error})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: not a safetensors file: its header is not a JSON object")
-    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"
-            and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list)
-            and len(entry["data_offsets"]) == 2 and isinstance(entry["data_offsets"][1], int)]
-    described, present = max(ends, default=0), size - 8 - header_size
+    header.pop("__metadata__", None)
+    malformed = [name for name, entry in header.items() if not _is_entry(entry)]
+    if malformed:
+        raise CheckpointError(f"{file}: not a valid safetensors file: malformed header entries for "
+                              f"{summarize(malformed)}")
+    described, present = max((e["data_offsets"][1] for e in header.values()), default=0), size - 8 - header_size
     if described > present:
         raise CheckpointError(f"{file}: truncated: its header describes {described:,} bytes of tensor data but only "
                               f"{present:,} follow the header")
     if described < present:
         raise CheckpointError(f"{file}: {present - described:,} bytes follow the {described:,} bytes of tensor data "
                               "its header describes (not a safetensors file, or two files joined)")
+    mis_sized = [f"{name}: {e['dtype']} {e['shape']} in {_data_size(e):,} bytes" for name, e in header.items()
+                 if e["dtype"] in _SAFETENSORS_DTYPES and _data_size(e) != math.prod(e["shape"])
+                 * _SAFETENSORS_DTYPES[e["dtype"]].itemsize]
+    if mis_sized:
+        raise CheckpointError(f"{file}: not a valid safetensors file: the data of {len(mis_sized):,} "
+                              f"tensor{'s' * (len(mis_sized) > 1)} does not fit its dtype and shape "
+                              f"({summarize(mis_sized, sep='; ')})")
+    return header, 8 + header_size
+
+
+def _is_entry(entry: Any) -> bool:
+    """A header entry: a dtype code, a shape of non-negative ints, and data offsets 0 ≤ begin ≤ end."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+        return False
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    return (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(n, int) for n in offsets)
+            and 0 <= offsets[0] <= offsets[1])
 
 
 def _weight_files(path: Path) -> dict[Path, list[str] | None]:
@@ -211,12 +259,11 @@ def _is_plain_file_name(file: str) -> bool:
             and not os.path.isabs(file) and Path(file).name == file)
 
 
-def _names_to_read(file: Path, handle: Any, listed: list[str] | None) -> list[str]:
+def _names_to_read(file: Path, header: Mapping[str, Any], listed: list[str] | None) -> list[str]:
     """All tensors of an unindexed file, or those the index assigns to this shard (which must be in it)."""
-    available = list(handle.keys())
     if listed is None:
-        return available
-    absent = sorted(set(listed).difference(available))
+        return list(header)
+    absent = sorted(set(listed).difference(header))
     if absent:
         raise CheckpointError(f"{INDEX_FILE} places tensors in {file.name} that it does not contain: "
                               f"{summarize(absent)}")

@@ -200,3 +200,20 @@ def test_weight_object_round_trip():
     assert torch.equal(weight.dequantize(), decode_mxfp4(weight.weight_packed, weight.weight_scale, torch.float32))
     with pytest.raises(ValueError, match="divisible by 32"):
         MXFP4Weight(1, 4, 48)
+
+
+@needs_kernel
+def test_compiled_encoder_equals_the_reference():
+    """The compiled encoder gives the reference's bytes: random groups of every magnitude, exact ties between grid
+    points (to the even code), saturation, zero groups, subnormal and huge values."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(64, 256, generator=generator) * torch.logspace(-40, 30, 64, base=2.0).unsqueeze(1)
+    weight[0] = 0.0
+    weight[1, :32] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.9, 7.5, -7.0] + [0.0] * 20)
+    weight[2] = torch.randint(-12, 13, (256,), generator=generator) * 0.25  # many exact midpoints
+    weight[3, :32] = 1e-45  # subnormal
+    packed, scale = encode_mxfp4(weight)
+    reference = mxfp4.encode_mxfp4_reference(weight)
+    assert torch.equal(packed, reference[0]) and torch.equal(scale, reference[1])
+    with pytest.raises(ValueError, match="inf or NaN"):
+        encode_mxfp4(torch.full((2, 32), float("nan")))

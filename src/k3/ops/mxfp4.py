@@ -65,6 +65,14 @@ def encode_mxfp4(weight: Tensor) -> tuple[Tensor, Tensor]:
     """
     if weight.dim() < 2 or weight.shape[-1] % GROUP_SIZE:
         raise ValueError(f"MXFP4 needs a [out, in] weight with in divisible by {GROUP_SIZE}, got {list(weight.shape)}")
+    weight = weight.detach().float()
+    if compiled.serves("mxfp4", weight):  # the same rounding in one compiled pass
+        return _encode_compiled(weight.contiguous())
+    return encode_mxfp4_reference(weight)
+
+
+def encode_mxfp4_reference(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """`encode_mxfp4` in torch ops (the reference of the compiled encoder)."""
     groups = weight.detach().float().reshape(*weight.shape[:-1], -1, GROUP_SIZE)
     if not torch.isfinite(groups).all():
         raise ValueError("cannot MXFP4-encode a weight containing inf or NaN")
@@ -72,6 +80,17 @@ def encode_mxfp4(weight: Tensor) -> tuple[Tensor, Tensor]:
     scaled = torch.ldexp(groups, (E8M0_BIAS - scale.to(torch.int32)).unsqueeze(-1))
     codes = _round_to_fp4_codes(scaled).reshape(weight.shape)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, scale
+
+
+def _encode_compiled(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """`encode_mxfp4` of a contiguous fp32 CPU weight on the compiled kernel."""
+    packed = torch.empty(*weight.shape[:-1], weight.shape[-1] // 2, dtype=torch.uint8)
+    scale = torch.empty(*weight.shape[:-1], weight.shape[-1] // GROUP_SIZE, dtype=torch.uint8)
+    try:
+        compiled.load("mxfp4").quantize(weight, packed, scale)
+    except RuntimeError as error:  # a non-finite value: the reference's message
+        raise ValueError(str(error).splitlines()[0]) from None
     return packed, scale
 
 

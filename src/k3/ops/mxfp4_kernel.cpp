@@ -7,7 +7,9 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -162,9 +164,53 @@ void dequantize(torch::Tensor packed, torch::Tensor scale, torch::Tensor out) {
   });
 }
 
+// nearest FP4 code of |v| (0..7) with ties to the even code, saturating at 6: the count of the grid's midpoints
+// below |v|, or of those at most |v| where the first count is odd (k3.ops.mxfp4._round_to_fp4_codes)
+inline uint8_t fp4_code(float magnitude) {
+  constexpr float kMidpoints[7] = {.25f, .75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.f};
+  uint8_t below = 0, at_most = 0;
+  for (float m : kMidpoints) below += m < magnitude, at_most += m <= magnitude;
+  return below % 2 == 0 ? below : at_most;
+}
+
+// w [R, in] fp32 -> packed [R, in/2], scale [R, in/32] (k3.ops.mxfp4.encode_mxfp4): per group of 32 the E8M0 code
+// s = clamp(floor(log2 max|x|) − 2 + 127, 0, 254) (0 for a zero group), codes of x · 2^(127 − s)
+void quantize(torch::Tensor w, torch::Tensor packed, torch::Tensor scale) {
+  check_pair(packed, scale);
+  TORCH_CHECK(w.scalar_type() == torch::kFloat && w.is_contiguous() && w.numel() == 2 * packed.numel(),
+              "mxfp4 kernel: w must be contiguous fp32 with two values per packed byte");
+  const int64_t groups = scale.numel();
+  const float *wp = w.data_ptr<float>();
+  uint8_t *pp = packed.data_ptr<uint8_t>(), *sp = scale.data_ptr<uint8_t>();
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, groups, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const float *x = wp + g * kGroup;
+      float amax = 0.f;
+      bool group_finite = true;
+      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(x[i])), group_finite &= std::isfinite(x[i]);
+      if (!group_finite) finite = false;
+      int exponent = 0;
+      std::frexp(amax, &exponent);  // amax = m · 2^exponent, m in [0.5, 1): floor(log2 amax) = exponent − 1
+      const uint8_t s = amax > 0.f ? static_cast<uint8_t>(std::clamp(exponent - 1 - 2 + 127, 0, 254)) : 0;
+      sp[g] = s;
+      for (int64_t i = 0; i < kGroup; i += 2) {
+        uint8_t byte = 0;
+        for (int64_t h = 0; h < 2; ++h) {
+          const float v = std::ldexp(x[i + h], 127 - s);
+          byte |= static_cast<uint8_t>(fp4_code(std::fabs(v)) | (std::signbit(v) ? 8 : 0)) << (4 * h);
+        }
+        pp[g * (kGroup / 2) + i / 2] = byte;
+      }
+    }
+  });
+  TORCH_CHECK(finite.load(), "cannot MXFP4-encode a weight containing inf or NaN");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("expert_linear", &expert_linear, "x[a] W[e(a)]ᵀ for rows sorted by expert, W in MXFP4 (fp32 x)");
   m.def("dequantize", &dequantize, "MXFP4 rows decoded into an fp32 buffer");
+  m.def("quantize", &quantize, "fp32 rows encoded to MXFP4 (OCP-MX rounding)");
 }

@@ -144,7 +144,11 @@ def test_kernel_equals_reference_with_ragged_rows(O, I, monkeypatch):
     monkeypatch.setattr(mxfp4, "_tiled", None)  # the kernel must take these calls
     with torch.no_grad():
         y = expert_linear(x, weight, counts)
-    assert _relative(y, expert_linear_reference(x, weight, counts)) < 1e-6
+        y_bf16 = expert_linear(x.bfloat16(), weight, counts)  # bf16 rows: fp32 accumulation, rounded once
+    reference = expert_linear_reference(x, weight, counts)
+    assert _relative(y, reference) < 1e-6
+    assert y_bf16.dtype == torch.bfloat16
+    assert torch.equal(y_bf16, expert_linear(x.bfloat16().float(), weight, counts).bfloat16())
 
 
 @needs_kernel

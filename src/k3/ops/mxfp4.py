@@ -186,13 +186,16 @@ def expert_linear_reference(x_AI: Tensor, weight: MXFP4Weight, counts_E: Tensor)
 def expert_linear(x_AI: Tensor, weight: MXFP4Weight, counts_E: Tensor) -> Tensor:
     """Row block e of ``x_AI`` (``counts_E[e]`` rows, in expert order) times W_eᵀ, W_e in MXFP4; [A, out].
 
-    At most `KERNEL_ROWS` rows an expert without autograd: the compiled kernel, else one decoded tile at a time."""
+    At most `KERNEL_ROWS` rows an expert without autograd: the compiled kernel (fp32 accumulation, the result in x's
+    dtype), else one decoded tile at a time."""
     if x_AI.shape[0] == 0:
         return x_AI.new_empty(0, weight.shape[1])
     few_rows = int(counts_E.max()) <= KERNEL_ROWS and not (torch.is_grad_enabled() and x_AI.requires_grad)
-    if few_rows and _kernel_serves(x_AI, weight):
-        return compiled.load("mxfp4").expert_linear(x_AI.contiguous(), weight.weight_packed, weight.weight_scale,
+    x32_AI = x_AI.float()  # the kernel accumulates in fp32 whatever the activations' dtype (a few rows: no cost)
+    if few_rows and _kernel_serves(x32_AI, weight):
+        y_AO = compiled.load("mxfp4").expert_linear(x32_AI.contiguous(), weight.weight_packed, weight.weight_scale,
                                                     counts_E.long().contiguous())
+        return y_AO.to(x_AI.dtype)
     return _tiled(x_AI, weight, counts_E)
 
 

@@ -478,3 +478,55 @@ def test_plan_serve_rejects_an_unknown_expert_format(capsys):
         main(["plan", "k3-tiny", "--serve", "--experts", "fp8"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("k3 plan: error:") and "fp8" in err and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------------- MXFP4 export
+def test_mxfp4_export_reloads_packed_and_generates_as_the_dense_load(train_corpus, tmp_path, capsys, monkeypatch):
+    """`k3 export --experts mxfp4` of a trained run: the release's packed pairs, resident packed at ≤ 0.35x the dense
+    bf16 experts' bytes, and `k3 generate` greedy on them equals the same checkpoint loaded with `--experts dense`
+    token for token (§11.5)."""
+    from k3.model import K3ForCausalLM
+    from k3.ops.mxfp4 import MXFP4Weight
+
+    run, out = tmp_path / "run", tmp_path / "model"
+    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["train", "--data", str(train_corpus), "--steps", "15", "--out", str(run), "--seq-len", "64",
+                 "--batch-size", "4", "--eval-every", "1000", *TINY_MODEL]) == 0
+    assert main(["export", str(run), str(out), "--experts", "mxfp4"]) == 0
+    packed = K3ForCausalLM.from_pretrained(out)
+    experts = [m for m in packed.modules() if isinstance(m, MXFP4Weight)]
+    assert experts
+    resident = sum(b.numel() * b.element_size() for m in experts for b in m.buffers())
+    dense_bf16 = sum(2 * m.shape.numel() for m in experts)
+    assert resident <= 0.35 * dense_bf16
+    capsys.readouterr()
+    outputs = []
+    for form in ([], ["--experts", "dense"]):
+        assert main(["generate", str(out), "--prompt", "To be", "--max-new-tokens", "24", "--temperature", "0",
+                     *form]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and len(outputs[0]) > len("To be\n")
+
+
+def test_init_writes_a_random_packed_checkpoint_that_generates(tmp_path, capsys):
+    """`k3 init` (the small-width copy of the k3-full-layer benchmark's command): MXFP4 experts on disk and in memory,
+    bf16 elsewhere, a tokenizer covering every id; the packed model's logits equal the expert-by-expert dense
+    reference (each expert decoded, run, discarded: moe_impl="loop"), and `k3 generate` decodes from it."""
+    from k3.model import K3ForCausalLM
+    from k3.ops.mxfp4 import MXFP4Weight
+
+    out = tmp_path / "model"
+    assert main(["init", str(out), "--preset", "k3-tiny", "--layers", "2", "--vocab", "1024"]) == 0
+    assert "routed experts mxfp4, bfloat16 elsewhere" in capsys.readouterr().out
+    model = K3ForCausalLM.from_pretrained(out)
+    assert isinstance(model.model.layers[1].block_sparse_moe.experts.w2, MXFP4Weight)
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.config.num_hidden_layers == 2
+    reference = K3ForCausalLM.from_pretrained(out)
+    reference.config.moe_impl = "loop"
+    ids = torch.randint(0, 1024, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, expected = model(ids).logits.float(), reference(ids).logits.float()
+    assert ((logits - expected).abs().max() / expected.abs().max()).item() <= 1e-3
+    assert main(["generate", str(out), "--prompt", "Hi", "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    assert main(["init", str(out), "--preset", "k3-tiny"]) == 2
+    assert "exists and is not an empty directory" in one_error_line(capsys.readouterr().err, "init")

@@ -25,6 +25,7 @@ import math
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 from torch.distributed import DistError
@@ -34,6 +35,7 @@ from k3.config import PRESETS, K3Config
 from k3.fileio import describe_error
 from k3.inference import generate
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
+from k3.checkpoint.quantization import EXPERT_FORMS, with_experts_format
 from k3.model.accounting import CONTEXTS, EXPERT_FORMATS, architecture_report, human, published_comparison
 from k3.runtime import huge_page_weights, keep_freed_memory
 from k3.tokenizer import K3Tokenizer
@@ -205,7 +207,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.image and not multimodal:
         raise ValueError(f"{args.checkpoint} holds a text-only model (no vision_config); --image needs a "
                          "multimodal checkpoint")
-    model = (K3ForConditionalGeneration if multimodal else K3ForCausalLM).from_pretrained(args.checkpoint).eval()
+    model_class = K3ForConditionalGeneration if multimodal else K3ForCausalLM
+    model = model_class.from_pretrained(args.checkpoint, experts=args.experts).eval()
     huge_page_weights(model)  # 2 MiB pages for the weights every token reads (k3.runtime)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
@@ -390,11 +393,34 @@ def _expected_failure(error: BaseException) -> tuple[int, str] | None:
     return None
 
 
+def cmd_init(args: argparse.Namespace) -> int:
+    """A random checkpoint of a preset's widths: config.json, safetensors and a byte-level tokenizer."""
+    from k3.tokenizer import byte_pair_tokenizer
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists and is not an empty directory")
+    overrides = _overrides(args.override) or {}
+    overrides.update({k: v for k, v in (("num_hidden_layers", args.layers), ("vocab_size", args.vocab)) if v})
+    vocab_size = overrides.get("vocab_size", PRESETS[args.preset].get("vocab_size", K3Config.vocab_size))
+    tokenizer = byte_pair_tokenizer(vocab_size)  # checks the vocabulary size before any work
+    token_ids = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id") for t in ("bos", "eos", "pad")}
+    config = with_experts_format(K3Config.from_preset(args.preset, **{**token_ids, **overrides}), args.experts)
+    torch.manual_seed(args.seed)
+    model = K3ForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
+    model.save_pretrained(out, max_shard_size=int(args.max_shard_gib * 2**30))
+    tokenizer.save(out)
+    stored = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    print(f"wrote a random {args.preset} ({config.num_hidden_layers} layers, vocab {config.vocab_size:,}, routed "
+          f"experts {args.experts}, {args.dtype} elsewhere) to {out}: {stored / 1e9:.2f} GB of weights")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from k3.train.export import export_checkpoint, run_checkpoint
 
     checkpoint = run_checkpoint(args.run)
-    out = export_checkpoint(checkpoint, args.out, max_shard_size=int(args.max_shard_gib * 2**30))
+    out = export_checkpoint(checkpoint, args.out, max_shard_size=int(args.max_shard_gib * 2**30), experts=args.experts)
     files = sorted(p.name for p in out.iterdir())
     print(f"exported {checkpoint} -> {out} ({len(files)} files: {', '.join(files)})")
     return 0
@@ -522,6 +548,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=_count(1), default=None)
     p.add_argument("--top-p", type=_finite(0, 1), default=None, help="in (0, 1]")
     p.add_argument("--seed", type=_seed, default=None, help="reproducible sampling")
+    p.add_argument("--experts", choices=EXPERT_FORMS,
+                   help="routed experts in memory: as the checkpoint stores them (default), dense (MXFP4 decoded), "
+                        "or mxfp4 (packed; dense ones encoded)")
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("train", parents=[debug],
                        help="train a K3 model (default: k3-tiny on the works of Shakespeare, fetched once and cached)")
@@ -584,12 +613,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--override", action="append", metavar="FIELD=VALUE",
                    help="K3Config field of the preset for every variant (VALUE in JSON; repeatable)")
     p.set_defaults(func=cmd_ablate)
+    p = sub.add_parser("init", parents=[debug],
+                       help="write a randomly initialised checkpoint of a preset (any width, e.g. k3-full's, cut to a "
+                            "few layers)")
+    p.add_argument("out", help="model directory to create (must not exist or be empty)")
+    p.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    p.add_argument("--layers", type=_count(1), help="num_hidden_layers (the K3 schedule at that depth)")
+    p.add_argument("--vocab", type=_count(1), help="vocab_size (the tokenizer written is byte-level, every id valid)")
+    p.add_argument("--experts", choices=EXPERT_FORMS, default="mxfp4",
+                   help="routed experts as the release stores them (mxfp4, default) or dense")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="every other tensor (the fp32 set of §0.4 stays fp32)")
+    p.add_argument("--seed", type=_seed, default=0)
+    p.add_argument("--max-shard-gib", type=_finite(0), default=1.0, help="largest safetensors file (GiB)")
+    p.add_argument("--override", action="append", metavar="FIELD=VALUE",
+                   help="K3Config field of the preset (VALUE in JSON; repeatable)")
+    p.set_defaults(func=cmd_init)
     p = sub.add_parser("export", parents=[debug],
                        help="write a training checkpoint's model as a model directory (safetensors, sharded by size)")
     p.add_argument("run", help="run directory (its newest checkpoint) or one checkpoint directory")
     p.add_argument("out", help="model directory to write (replaced whole if it exists)")
     p.add_argument("--max-shard-gib", type=_finite(0), default=DEFAULT_MAX_SHARD_SIZE / 2**30,
                    help="largest safetensors file (GiB)")
+    p.add_argument("--experts", choices=EXPERT_FORMS, default="dense",
+                   help="routed experts written dense (default) or in MXFP4 as the release stores them")
     p.set_defaults(func=cmd_export)
     args = parser.parse_args(argv)
     keep_freed_memory()  # glibc reuses freed memory instead of faulting it back in (k3.runtime)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import binascii
 import heapq
+import itertools
 import json
 import os
 import re
@@ -490,3 +491,17 @@ def train_bpe(
     for text in texts:
         piece_counts.update(pre_tokenize(_utf8_safe(text)))
     return K3Tokenizer(_learn_merges(piece_counts, n_ranks), specials)
+
+
+def byte_pair_tokenizer(vocab_size: int, num_special_slots: int = 16) -> K3Tokenizer:
+    """An untrained byte-level tokenizer in the released format with every id of a `vocab_size` model valid: the
+    256 single bytes, then two-byte tokens in order (b"\\x00\\x00", b"\\x00\\x01", …), then the special slots — for a
+    random-weight checkpoint (`k3 init`), whose sampled ids must all decode."""
+    n_ranks = vocab_size - num_special_slots
+    if not 256 <= n_ranks <= 256 + 256 * 256:
+        raise ValueError(f"vocab_size {vocab_size} with {num_special_slots} special slots needs between 256 and "
+                         f"{256 + 256 * 256} byte and byte-pair ranks, got {n_ranks}")
+    pairs = (bytes((a, b)) for a in range(256) for b in range(256))
+    ranks = [bytes((b,)) for b in range(256)] + list(itertools.islice(pairs, n_ranks - 256))
+    return K3Tokenizer({token: rank for rank, token in enumerate(ranks)},
+                       _special_table(DEFAULT_SPECIALS, n_ranks, num_special_slots))

@@ -13,7 +13,7 @@ from typing import Any
 from k3.config import K3Config
 
 MXFP4_FORMAT = "mxfp4-pack-quantized"
-EXPERT_FORMATS = ("dense", "mxfp4")
+EXPERT_FORMS = ("dense", "mxfp4")
 
 EXPERT_TARGETS = r"re:.*experts\.\d+\.w[123]$"
 """The module names the MXFP4 group covers: the routed experts' w1 (gate), w3 (up) and w2 (down), §11.4 item 8."""
@@ -56,8 +56,8 @@ def with_experts_format(config: K3Config, experts: str) -> K3Config:
     """`config` declaring routed experts in `experts` form, in `text_config` and at the top level alike: "dense"
     without `quantization_config`; "mxfp4" with the config's own MXFP4 one where it has one, else
     `mxfp4_quantization_config()`."""
-    if experts not in EXPERT_FORMATS:
-        raise ValueError(f"experts must be one of {', '.join(EXPERT_FORMATS)}, got {experts!r}")
+    if experts not in EXPERT_FORMS:
+        raise ValueError(f"experts must be one of {', '.join(EXPERT_FORMS)}, got {experts!r}")
     quantization = None
     if experts == "mxfp4":
         declared = [s["quantization_config"] for s in (config.extra, config.multimodal or {})

@@ -144,6 +144,16 @@ class K3ForCausalLM(PretrainedMixin, nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.init_weights()
 
+    @classmethod
+    def from_config(cls, config: K3Config, dtype: torch.dtype = torch.float32):
+        """A randomly initialised model (`init_weights`) whose tensors are allocated once, in `dtype` (the fp32 set
+        of §0.4 in fp32, packed experts as uint8): a model near the machine's memory is never built in fp32 first."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.to(dtype).to_empty(device="cpu")
+        model.init_weights()
+        return model
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """From-scratch init (§3.9, §4.5, §5.5, §6.7, §13.8): N(0, initializer_range²) for every matrix but the

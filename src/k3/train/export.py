@@ -63,12 +63,13 @@ def load_checkpoint_model(checkpoint: str | os.PathLike) -> torch.nn.Module:
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike,
-                      max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Path:
-    """Write the model of `checkpoint` (a checkpoint, or a run directory: its newest) to `out`; returns `out`."""
+                      max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, experts: str = "dense") -> Path:
+    """Write the model of `checkpoint` (a checkpoint, or a run directory: its newest) to `out`, its routed experts
+    `experts` ("dense", or "mxfp4" as the release stores them); returns `out`."""
     checkpoint = run_checkpoint(checkpoint)
     model = load_checkpoint_model(checkpoint)
     with atomic_directory(out) as staged:
-        model.save_pretrained(staged, max_shard_size=max_shard_size)
+        model.save_pretrained(staged, max_shard_size=max_shard_size, experts=experts)
         for entry in checkpoint.iterdir():
             if entry.is_file() and entry.name not in _NOT_COPIED and not entry.name.startswith("model"):
                 shutil.copy2(entry, staged / entry.name)

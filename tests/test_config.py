@@ -176,6 +176,34 @@ def test_preset_sizes():
     assert set(PRESETS) >= {"k3-full", "k3-small", "k3-tiny"}
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_states_its_context_length(name):
+    """Every preset carries max_position_embeddings and writes it to text_config (llama.cpp's converter reads it as
+    `kimi-k3.context_length` and llama.cpp refuses a GGUF without it): the release's 1M for the K3 presets,
+    K2's 128K for kimi-k2."""
+    c = K3Config.from_preset(name)
+    expected = 131072 if name == "kimi-k2" else 1048576
+    assert c.max_position_embeddings == expected
+    for config in (c, c.released_layout()):  # the file `save` writes and the one `save_pretrained` writes
+        text = config.to_dict().get("text_config", config.to_dict())
+        assert text["max_position_embeddings"] == expected
+    assert K3Config.from_dict(c.to_dict()).max_position_embeddings == expected
+
+
+def test_a_file_without_a_context_length_keeps_none_but_a_checkpoint_states_one():
+    """A file that lacks max_position_embeddings reads as None and is written back without it (verbatim), while
+    released_layout (what save_pretrained and training checkpoints write) states the default 1,048,576."""
+    src = tiny_text_config_file()
+    assert "max_position_embeddings" not in src
+    cfg = K3Config.from_dict(copy.deepcopy(src))
+    assert cfg.max_position_embeddings is None and cfg.to_dict() == src
+    assert cfg.released_layout().to_dict()["text_config"]["max_position_embeddings"] == 1048576
+    multimodal = _drop(released_multimodal_config(), "text_config.max_position_embeddings")
+    out = K3Config.from_dict(multimodal).released_layout().to_dict()
+    assert out == released_multimodal_config()  # the one key added, nothing else changed
+    assert K3Config.from_dict(src, max_position_embeddings=4096).released_layout().max_position_embeddings == 4096
+
+
 def test_unknown_preset_raises():
     """An unknown preset name raises ValueError naming it."""
     with pytest.raises(ValueError, match="k3-huge"):
@@ -192,6 +220,36 @@ def test_multimodal_round_trip_is_verbatim():
     assert cfg.hidden_size == 7168 and cfg.kda_num_heads == 96 and cfg.kda_head_dim == 128
     assert cfg.routed_scaling_factor == 2.5 and cfg.gate_lower_bound == -5.0
     assert cfg.layer_types.count("mla") == 24
+
+
+@pytest.mark.parametrize("make", [released_multimodal_config, released_text_config])
+def test_every_released_key_survives_save_and_load(tmp_path, make):
+    """Each key of the released config.json, at the top level and inside text_config (and linear_attn_config,
+    vision_config), is written back by save() with its value and type after from_json → save → from_json:
+    max_position_embeddings, quantization_config, torch_dtype, the token ids, rope_theta, legacy and unknown keys."""
+    src = make()
+    K3Config.from_dict(copy.deepcopy(src)).save(tmp_path)
+    first = (tmp_path / "config.json").read_bytes()
+    loaded = K3Config.from_json(tmp_path)
+    loaded.save(tmp_path)
+    assert (tmp_path / "config.json").read_bytes() == first
+    written = json.loads(first)
+
+    def same(a, b, where=""):
+        assert type(a) is type(b), f"{where}: {a!r} written as {b!r}"
+        if isinstance(a, dict):
+            assert set(a) == set(b), f"{where}: keys {set(a) ^ set(b)}"
+            for key in a:
+                same(a[key], b[key], f"{where}.{key}")
+        else:
+            assert a == b, f"{where}: {a!r} written as {b!r}"
+
+    same(src, written)
+    text = written.get("text_config", written)
+    assert text["max_position_embeddings"] == loaded.max_position_embeddings == 1048576
+    assert text["quantization_config"]["format"] == "mxfp4-pack-quantized" and text["torch_dtype"] == "bfloat16"
+    assert (text["bos_token_id"], text["eos_token_id"], text["pad_token_id"]) == (163584, 163586, 163839)
+    assert text["rope_theta"] == loaded.rope_theta == 50000.0
 
 
 def test_text_only_round_trip_and_parsing():
@@ -307,6 +365,8 @@ _BAD = [
     ("negative rope", dict(qk_rope_head_dim=-1), "qk_rope_head_dim"),
     ("negative shared", dict(num_shared_experts=-1), "num_shared_experts"),
     ("negative dense", dict(first_k_dense_replace=-1), "first_k_dense_replace"),
+    ("context 0", dict(max_position_embeddings=0), "max_position_embeddings"),
+    ("float context", dict(max_position_embeddings=1048576.0), "max_position_embeddings"),
 ] + [(f"{f}=0", {f: 0}, f) for f in _POSITIVE_INT_FIELDS] + [
     ("negative size", dict(hidden_size=-64), "hidden_size"),
     ("float size", dict(hidden_size=64.0), "hidden_size"),

@@ -166,6 +166,9 @@ class K3Config:
     attn_res_block_size: int = 12
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    # the context length a converter writes (llama.cpp's `kimi-k3.context_length`, which it requires): the release's
+    # 1M, and that of every K3 preset; the model sets no limit of its own (NoPE MLA, KDA). None: the file has none
+    max_position_embeddings: int | None = 1048576
     initializer_range: float = 0.02  # [U] §13.8
     bos_token_id: int | None = 163584  # [U] §10
     eos_token_id: int | None = 163586  # [U]
@@ -294,6 +297,8 @@ class K3Config:
         need(self.activation_situ_linear_beta is None or self.activation_situ_linear_beta > 0,
              "activation_situ_linear_beta", "must be positive or null (uncapped)")
         need(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
+        need(self.max_position_embeddings is None or self.max_position_embeddings > 0, "max_position_embeddings",
+             "must be a positive integer or null")
         need(self.routed_scaling_factor > 0, "routed_scaling_factor", "must be positive")
         need(self.kda_impl in KDA_IMPLS, "kda_impl", f"must be one of {', '.join(map(repr, KDA_IMPLS))}")
         need(self.moe_impl in ("grouped", "loop"), "moe_impl", "must be 'grouped' or 'loop'")
@@ -332,7 +337,7 @@ class K3Config:
             if f.name in ("extra", "multimodal") or f.name in _LINEAR_ATTN_FIELDS:
                 continue
             v = getattr(self, f.name)
-            if f.name in _KNOB_DEFAULTS and v == _KNOB_DEFAULTS[f.name]:
+            if f.name in _KNOB_DEFAULTS and v == _KNOB_DEFAULTS[f.name] or v is None and f.name in _OMITTED_WHEN_NONE:
                 continue
             d[f.name] = copy.deepcopy(v)
             if f.name == "mla_use_output_gate":
@@ -460,11 +465,15 @@ class K3Config:
         Converters identify a K3 checkpoint by that top level (llama.cpp registers its K3 converter only under
         `KimiK3ForConditionalGeneration`, and reads the text tensors under `language_model.`); a Kimi-Linear
         style top level sends them down the Kimi-Linear path. `save_pretrained` writes this form.
+
+        It always states a context length: a config read from a file without `max_position_embeddings` gets the
+        field's default (1,048,576), since llama.cpp refuses a GGUF without `kimi-k3.context_length`.
         """
+        context = self.max_position_embeddings or K3Config.max_position_embeddings
         if self.multimodal is not None:
-            return self
+            return self if context == self.max_position_embeddings else self.replace(max_position_embeddings=context)
         extra = {**self.extra, "architectures": self.extra.get("architectures", [TEXT_ARCHITECTURE])}
-        return self.replace(extra=extra, multimodal=text_only_top_level())
+        return self.replace(extra=extra, multimodal=text_only_top_level(), max_position_embeddings=context)
 
     def replace(self, **changes: Any) -> "K3Config":
         """A validated copy with some fields changed."""
@@ -618,12 +627,16 @@ FILE_DEFAULTS: dict[str, Any] = {
     "routed_scaling_factor": 1.0,  # §13.1: read from the file, 1.0 if absent
     "use_grouped_topk": True,  # a no-op with num_expert_group = topk_group = 1 (§1.1); not read by the model
     "initializer_range": 0.02,  # init only (§13.8), not read when loading weights
+    "max_position_embeddings": None,  # informational: a file without it is written back without it
     "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,  # informational (the tokenizer has its own)
     **_KNOB_DEFAULTS,  # our non-architectural knobs (§1.3), written only when they differ from these
 }
 """What a `config.json` that omits a field means. Every other field is required in a file (`from_dict`): a
 missing shape or architecture field must not silently take the k3-full value. The constructor and the presets
 keep the field defaults (the released values)."""
+
+_OMITTED_WHEN_NONE = frozenset({"max_position_embeddings"})
+"""Fields whose None (a file that lacks the key) is written as no key at all, so such a file round-trips verbatim."""
 
 _REQUIRED_KEYS = tuple(f.name for f in fields(K3Config) if f.name not in FILE_DEFAULTS
                        and f.name not in ("extra", "multimodal") and f.name not in _LINEAR_ATTN_FIELDS)
@@ -678,6 +691,8 @@ _TINY_VISION = K3VisionConfig(
     vt_num_hidden_layers=2, init_pos_emb_height=16, init_pos_emb_width=16, mm_hidden_size=64, text_hidden_size=128,
     media_placeholder_token_id=390)
 
+# Every preset carries max_position_embeddings: the field's default, the release's 1,048,576, for the K3 ones (NoPE
+# MLA and KDA have no positional limit, and nothing in k3 reads it as one), K2's 131,072 for kimi-k2.
 # The small presets chunk KDA by 32 tokens (the knob's default is 64): with head widths of 32 and 64 the compiled
 # CPU core runs 32-token chunks 8–12 % faster, and packed documents pad less (docs/benchmarks.md, Dec 2 evening).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -722,6 +737,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "routed_expert_hidden_size": 7168, "use_latent_moe": False, "latent_moe_use_norm": False,
         "routed_scaling_factor": 2.827, "use_block_attn_res": False, "rms_norm_eps": 1e-6,
         "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": None,
-        "extra": {"model_type": "kimi_k2", "rope_theta": 50000.0, "max_position_embeddings": 131072},
+        "max_position_embeddings": 131072, "extra": {"model_type": "kimi_k2", "rope_theta": 50000.0},
     },
 }

@@ -239,3 +239,28 @@ def test_every_earlier_layout_still_loads(tiny, tmp_path):
         assert torch.equal(loaded(IDS).logits, tiny(IDS).logits), layout
     K3ForCausalLM.from_pretrained(tmp_path / "0").save_pretrained(tmp_path / "again")  # an earlier text-only save
     assert json.loads((tmp_path / "again" / "config.json").read_text()) == tiny.config.released_layout().to_dict()
+
+
+def test_saved_config_keeps_every_key_and_states_the_context_length(tiny, tmp_path):
+    """save_pretrained writes `max_position_embeddings` into text_config (llama.cpp's converter reads it as
+    `kimi-k3.context_length`, without which llama.cpp refuses the GGUF), also for a model read from a file that
+    lacked it; and the file's other keys (top level and text_config, unknown ones included) are written back."""
+    tiny.save_pretrained(tmp_path / "plain")
+    text = json.loads((tmp_path / "plain" / "config.json").read_text())["text_config"]
+    assert text["max_position_embeddings"] == 1048576
+
+    extra = {"torch_dtype": "bfloat16", "rope_theta": 50000.0, "rope_scaling": None, "head_dim": 72,
+             "attention_dropout": 0.0, "num_nextn_predict_layers": 0, "some_future_key": {"a": [1, 2]}}
+    text = {**tiny.config.to_text_dict(), **extra, "max_position_embeddings": 524288, "eos_token_id": 7}
+    text["linear_attn_config"]["some_future_subkey"] = [3]
+    top = {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"], "ignore_index": -100,
+           "tie_word_embeddings": False, "a_future_top_level_key": {"nested": True}}
+    model = K3ForCausalLM(K3Config.from_dict({**top, "text_config": text}))
+    model.save_pretrained(tmp_path / "keys")
+    assert json.loads((tmp_path / "keys" / "config.json").read_text()) == {**top, "text_config": text}
+
+    del text["max_position_embeddings"]  # an earlier k3 save: the context length is stated on the next one
+    model = K3ForCausalLM(K3Config.from_dict({**top, "text_config": text}))
+    model.save_pretrained(tmp_path / "earlier")
+    written = json.loads((tmp_path / "earlier" / "config.json").read_text())
+    assert written == {**top, "text_config": {**text, "max_position_embeddings": 1048576}}

@@ -139,7 +139,7 @@ def _print_k2_comparison(name: str, c: K3Config, r: dict) -> None:
             else f"{forms['mla']} in all {report['mla_layers']} layers"
         rows[key] = {"layers": str(config.num_hidden_layers), "total params": human(report["total_params"]),
                      "activated params": human(report["activated_params"]),
-                     "context": f"{config.max_position_embeddings or 1048576:,}",
+                     "context": f"{config.extra.get('max_position_embeddings', 1048576):,}",
                      "sequence mixing": mixing, "depth mixing": "Block AttnRes" if config.use_block_attn_res
                      else "residual", "routed experts": forms["moe"].split(": ")[-1],
                      "dense FFN (layer 0)": str(config.intermediate_size), "rms_norm_eps": f"{config.rms_norm_eps:g}",
@@ -587,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--override", action="append", metavar="FIELD=VALUE",
                    help="K3Config field of a new run's preset (VALUE in JSON; repeatable), e.g. num_hidden_layers=5")
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--mxfp4-experts", action="store_true", default=None,
+                   help="train the routed experts MXFP4-aware (forward on their MXFP4 rounding, straight-through "
+                        "gradient), so that `k3 export --experts mxfp4` keeps what was trained")
     parallel = p.add_argument_group("under torchrun (torchrun --nproc_per_node N -m k3 train ...)")
     parallel.add_argument("--ep", type=_count(1), default=None,
                           help="expert-parallel degree: each group of EP ranks splits the routed experts (divides "

@@ -169,9 +169,11 @@ class StableLatentMoE(nn.Module):
     def fused_routed(self, x_ND: torch.Tensor, z_NL: torch.Tensor, ctx: StepContext | None) -> torch.Tensor | None:
         """`gate` then `experts` as one compiled call when decoding (`k3.ops.decode.moe_routed`: fp32 CPU, a few
         tokens, no autograd), else None. Not for observed (training) calls, the loop reference, group limits, or
-        where a forward hook waits for the `gate` or `experts` module to run."""
+        where a forward hook waits for the `gate` or `experts` module to run, or experts of another class (which may
+        compute differently: expert parallelism, quantisation-aware training)."""
         cfg = self.config
-        if (compiled.hooked(self.gate, self.experts) or (ctx is not None and ctx.observers) or cfg.moe_impl == "loop"
+        if (type(self.experts) is not RoutedExperts or compiled.hooked(self.gate, self.experts)
+                or (ctx is not None and ctx.observers) or cfg.moe_impl == "loop"
                 or (cfg.num_expert_group > 1 and cfg.topk_group < cfg.num_expert_group)):
             return None
         betas = None if cfg.hidden_act == "silu" else (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)

@@ -240,3 +240,21 @@ def _experts_with_rows(counts_E: Tensor) -> list[tuple[int, int, int]]:
     for c in counts[:-1]:
         starts.append(starts[-1] + c)
     return [(e, start, c) for e, (start, c) in enumerate(zip(starts, counts)) if c]
+
+
+class _FakeQuantize(torch.autograd.Function):
+    """W rounded to MXFP4 and back in the forward; the gradient passes straight through (QAT)."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor) -> Tensor:
+        return decode_mxfp4(*encode_mxfp4(weight), weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad
+
+
+def fake_quantize(weight: Tensor) -> Tensor:
+    """``weight [..., out, in]`` as its MXFP4 encoding decodes (`encode_mxfp4`, the export's encoder), in its dtype,
+    with a straight-through gradient: training sees the weights the packed export will hold."""
+    return _FakeQuantize.apply(weight)

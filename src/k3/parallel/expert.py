@@ -232,6 +232,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *, src_data_ran
         if type(experts) is not RoutedExperts:
             raise ValueError(f"{name}.experts is already {type(experts).__name__}: apply expert parallelism once, "
                              f"to an unmodified model")
+        if not isinstance(experts.w1, nn.Parameter):
+            raise ValueError(f"{name}.experts are packed (MXFP4): expert parallelism shards dense experts (load the "
+                             f"checkpoint with experts='dense')")
         if any(isinstance(getattr(experts, w), DTensor) for w in EXPERT_WEIGHTS):
             raise ValueError(f"{name}.experts already holds DTensors: apply expert parallelism before fully_shard")
         E = experts.w1.shape[0]

@@ -58,6 +58,7 @@ class TrainArgs:
     eval_images: int | None = None  # 128; shapes task: held-out images captioned at every evaluation
     checkpoint_every: int | None = None  # 100
     activation_checkpointing: bool | None = None  # False
+    mxfp4_experts: bool | None = None  # False; True: routed experts trained MXFP4-aware (k3.train.qat, §11.5)
     seed: int | None = None  # 0
     cache_dir: str | None = None  # None: $K3_CACHE_DIR or ~/.cache/k3
     overrides: dict | None = None  # K3Config field overrides for a fresh run ({})
@@ -105,6 +106,8 @@ class TrainArgs:
             if unknown:
                 raise ValueError(f"--override: {', '.join(map(repr, unknown))} "
                                  f"{'is not a K3Config field' if len(unknown) == 1 else 'are not K3Config fields'}")
+        if self.mxfp4_experts and self.ep > 1:
+            raise ValueError("--mxfp4-experts does not combine with --ep yet (both change the routed experts' class)")
         if not isinstance(self.out, str) or not self.out:
             raise ValueError(f"--out must name a directory, got {self.out!r}")
 
@@ -157,7 +160,7 @@ class TrainArgs:
 DEFAULTS = {"task": "text", "seq_len": 256, "grad_accum": 1, "warmup_frac": 0.01, "schedule": "cosine",
             "weight_decay": 0.1, "clip": 1.0, "balancer": "qb", "muon_per_head": "qkv",
             "qk_clip_tau": 100.0, "eval_every": 50, "eval_batches": 16, "eval_images": 128, "checkpoint_every": 100,
-            "activation_checkpointing": False, "seed": 0, "overrides": {}}
+            "activation_checkpointing": False, "mxfp4_experts": False, "seed": 0, "overrides": {}}
 """What a TrainArgs field left at None means on a fresh run (preset and `TASK_DEFAULTS`: the task's; data:
 Shakespeare)."""
 
@@ -165,7 +168,8 @@ TASK_DEFAULTS = ("batch_size", "lr", "lr_scale", "min_lr_ratio")
 """Fields a task tunes for itself (its `default_<field>`), taken on a fresh run when left at None."""
 
 RESUME_FIXED = ("task", "preset", "data", "overrides", "seq_len", "batch_size", "grad_accum", "seed", "balancer",
-                "muon_per_head", "lr_scale", "schedule", "min_lr_ratio", "warmup_frac", "weight_decay", "clip", "qk_clip_tau")
+                "muon_per_head", "lr_scale", "schedule", "min_lr_ratio", "warmup_frac", "weight_decay", "clip", "qk_clip_tau",
+                "mxfp4_experts")
 """What defines a run, refused by `--resume`: the data (and so the tokenizer and the split), the model, the
 batches (their shape and order), the optimiser's stored hyper-parameters and the schedule's shape."""
 

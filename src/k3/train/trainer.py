@@ -62,6 +62,7 @@ from k3.train.checkpoint import (
     save_training_checkpoint,
 )
 from k3.train.export import export_checkpoint
+from k3.train.qat import apply_mxfp4_qat
 from k3.train.data import check_data_path
 from k3.train.tasks import TASKS
 from k3.train import plots
@@ -212,6 +213,8 @@ class Trainer:
         self.backbone.gradient_checkpointing = args.activation_checkpointing
         if self.task is None:
             self.task = TASKS[args.task].from_args(self.config, args)
+        if args.mxfp4_experts:
+            apply_mxfp4_qat(self.model)
         if self.dist is not None:
             parallelize(self.model, self.dist, args.reshard_after_forward, args.cpu_offload)
         self.optimizers = make_optimizers(

@@ -139,7 +139,7 @@ def _print_k2_comparison(name: str, c: K3Config, r: dict) -> None:
             else f"{forms['mla']} in all {report['mla_layers']} layers"
         rows[key] = {"layers": str(config.num_hidden_layers), "total params": human(report["total_params"]),
                      "activated params": human(report["activated_params"]),
-                     "context": f"{config.extra.get('max_position_embeddings', 1048576):,}",
+                     "context": f"{config.max_position_embeddings or 1048576:,}",
                      "sequence mixing": mixing, "depth mixing": "Block AttnRes" if config.use_block_attn_res
                      else "residual", "routed experts": forms["moe"].split(": ")[-1],
                      "dense FFN (layer 0)": str(config.intermediate_size), "rms_norm_eps": f"{config.rms_norm_eps:g}",

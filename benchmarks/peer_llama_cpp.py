@@ -6,7 +6,9 @@ temporary directory with a small BPE trained on docs/) is converted to GGUF by l
 (monkeypatched in a subprocess, the vendored converter is not edited): the converter recognises a tokenizer by
 hashing a test string's ids, which a self-trained tiktoken vocabulary cannot match, so the wrapper writes the
 vocabulary itself the way the converter does for Kimi K2 (gpt2-style byte-level tokens and merges from the
-tiktoken ranks, pre-tokenizer `kimi-k2`, special slots as control tokens, unused ids as `[PAD<id>]`).
+tiktoken ranks, pre-tokenizer `kimi-k2`, special slots as control tokens, unused ids as `[PAD<id>]`). Nothing else
+is changed: the hyperparameters are the saved config.json's (its `max_position_embeddings` becomes
+`kimi-k3.context_length`, which llama.cpp requires).
 
 Before timing, the last-position logits of a few short prompts (tokenised by llama.cpp, `llama-debug
 --save-logits`) are compared with k3's on the same ids: top-1 agreement and max |Δ| (when llama-debug is built).
@@ -112,12 +114,7 @@ def convert_in_subprocess(model_dir: str, outfile: str, outtype: str, src: str) 
             if token_id is not None:
                 add(token_id)
 
-    def set_gguf_parameters(self, base=KimiK3Model.set_gguf_parameters):
-        # llama.cpp requires a context length; k3 presets omit the release's informational 1M (architecture.md §1.1)
-        self.hparams.setdefault("max_position_embeddings", 1048576)
-        base(self)
-
-    KimiK3Model.set_vocab, KimiK3Model.set_gguf_parameters = set_vocab, set_gguf_parameters
+    KimiK3Model.set_vocab = set_vocab
     sys.argv = ["convert_hf_to_gguf.py", model_dir, "--outfile", outfile, "--outtype", outtype]
     runpy.run_path(os.path.join(src, "convert_hf_to_gguf.py"), run_name="__main__")
 
@@ -139,13 +136,17 @@ def gguf_for(model_dir: Path, outtype: str, src: str, pydeps: str) -> Path:
 
 # --------------------------------------------------------------------------------------- measurements
 @torch.no_grad()
-def check_logits(model, gguf: Path, bin_dir: Path, threads: int) -> str:
-    """Last-position logits of PROMPTS, llama.cpp (llama-debug) against k3 on llama.cpp's token ids."""
+def check_logits(model, gguf: Path, bin_dir: Path, threads: int, outtype: str = "f32") -> str:
+    """Last-position logits of PROMPTS, llama.cpp (llama-debug) against k3 on llama.cpp's token ids.
+
+    A quantised GGUF runs without weight repacking, as in llama_bench: with it, llama-debug aborts on a q8_0 k3
+    GGUF (GGML_ASSERT(*cur_backend_id != -1) in ggml-backend.cpp, llama-cpp-python 0.3.36's llama.cpp)."""
     agree, diffs, scale = 0, [], 0.0
     with tempfile.TemporaryDirectory() as out:
         for prompt in PROMPTS:
             subprocess.run([bin_dir / "llama-debug", "-m", gguf, "-p", prompt, "--save-logits", "--logits-output-dir",
-                            out, "-t", str(threads), "-c", "256"], check=True, capture_output=True)
+                            out, "-t", str(threads), "-c", "256"] + (["-nr"] if outtype != "f32" else []),
+                           check=True, capture_output=True)
             theirs = torch.from_numpy(np.fromfile(f"{out}/llamacpp-{gguf.stem}.bin", np.float32))
             ids = torch.from_numpy(np.fromfile(f"{out}/llamacpp-{gguf.stem}-tokens.bin", np.int32)).long()
             ours = model(ids[None]).logits[0, -1].float()
@@ -234,8 +235,8 @@ def main():
         huge = not args.small_pages and huge_page_weights(model)  # as `k3 generate` does
         pages = "2 MiB pages" if huge else "4 KiB pages"
         n_params = sum(p.numel() for p in model.parameters()) / 1e6
-        check = (check_logits(model, gguf, bin_dir, args.threads) if (bin_dir / "llama-debug").is_file()
-                 else "Logits check skipped: llama-debug is not built")
+        check = (check_logits(model, gguf, bin_dir, args.threads, args.outtype)
+                 if (bin_dir / "llama-debug").is_file() else "Logits check skipped: llama-debug is not built")
         print(check, flush=True)
 
         start, cpu_wait = time.perf_counter(), CpuWait()

@@ -1,5 +1,5 @@
-"""Inference needs only the core dependencies: the `train` (tqdm, matplotlib) and `vision` (Pillow) extras are
-optional, and `python -m k3` is the console script."""
+"""Inference needs only the core dependencies: the `train` (matplotlib) and `vision` (Pillow) extras are optional,
+and `python -m k3` is the console script."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ WITHOUT_EXTRAS = """
 import importlib.abc, sys
 class Missing(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("PIL", "matplotlib", "tqdm"):
+        if name.split(".")[0] in ("PIL", "matplotlib"):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, Missing())
 import torch, k3

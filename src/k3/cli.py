@@ -25,6 +25,7 @@ import math
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -208,7 +209,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.checkpoint} holds a text-only model (no vision_config); --image needs a "
                          "multimodal checkpoint")
     model_class = K3ForConditionalGeneration if multimodal else K3ForCausalLM
-    model = model_class.from_pretrained(args.checkpoint, experts=args.experts).eval()
+    started = time.perf_counter()
+    model = model_class.from_pretrained(args.checkpoint, experts=args.experts, progress=True).eval()
+    if sys.stderr.isatty():
+        print(f"loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     huge_page_weights(model)  # 2 MiB pages for the weights every token reads (k3.runtime)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "

@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 
 import torch
+from tqdm import tqdm
 
 from k3.checkpoint import load_checkpoint_state, save_checkpoint_state
-from k3.checkpoint.io import DEFAULT_MAX_SHARD_SIZE
+from k3.checkpoint.io import DEFAULT_MAX_SHARD_SIZE, checkpoint_bytes
 from k3.checkpoint.hf import LANGUAGE_MODEL_PREFIX, NON_TEXT_PREFIXES, convert_experts
 from k3.checkpoint.quantization import experts_format, with_experts_format
 from k3.config import K3Config
@@ -34,21 +35,24 @@ class PretrainedMixin:
         return name if name.startswith(NON_TEXT_PREFIXES) else self.text_module_prefix + name
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None, experts: str | None = None):
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None, experts: str | None = None,
+                        progress: bool = False):
         """Load a directory in the released layout (§11): `config.json` + safetensors (sharded or not).
 
         `dtype=None` uses the stored dtype of `embed_tokens`; floating tensors are cast to `dtype`, except the
         fp32 set of §0.4, which is always fp32. Routed experts keep the form the checkpoint stores them in
         (`experts=None`: MXFP4 stays packed, §11.5), or take the one asked for: "dense" decodes MXFP4 experts (to
         `dtype`, else bf16, exactly), "mxfp4" encodes dense ones. A text model reads the text part of a multimodal
-        checkpoint (vision tensors are skipped).
+        checkpoint (vision tensors are skipped). `progress`: a progress bar of the bytes read, on a terminal.
         """
         config = K3Config.from_json(path)
         if experts is not None:
             config = with_experts_format(config, experts)
         with torch.device("meta"):
             model = cls(config)
-        state = load_checkpoint_state(path, model.official_state_dict(), dtype=dtype)
+        with tqdm(total=checkpoint_bytes(path) if progress else 0, unit="B", unit_scale=True, desc="loading",
+                  disable=None if progress else True, leave=False) as bar:
+            state = load_checkpoint_state(path, model.official_state_dict(), dtype=dtype, progress=bar.update)
         if dtype is None:  # one activation dtype: the embedding's stored one (MXFP4 experts decode to bf16)
             dtype = state["model.embed_tokens.weight"].dtype
             state = {n: t.to(dtype) if t.is_floating_point() and not is_fp32_tensor(n) else t

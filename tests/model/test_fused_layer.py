@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from k3.model import fused_layer
+from k3.config import K3Config
+from k3.model import K3ForCausalLM, fused_layer
 from k3.model.moe import RoutedExperts
 from k3.ops import compiled
 
@@ -101,13 +102,13 @@ def test_layer_step_matches_the_modules(tiny_model, monkeypatch, form):
     assert_same_caches(cache, torch_cache, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["autograd", "five rows", "padding", "bf16", "K2 residual"])
+@pytest.mark.parametrize("case", ["autograd", "five rows", "padding", "float64", "K2 residual"])
 def test_other_calls_are_left_to_the_modules(tiny_model, monkeypatch, case):
     """No compiled layer step where it does not implement the call: with autograd, more than `MAX_ROWS` sequences,
-    padding, bf16 weights, K2's plain residual stream."""
+    padding, float64 weights, K2's plain residual stream."""
     model = tiny_model(seed=22, **({"use_block_attn_res": False} if case == "K2 residual" else {}))
-    if case == "bf16":
-        model = model.to(torch.bfloat16)
+    if case == "float64":
+        model = model.double()
     B = compiled.MAX_ROWS + 1 if case == "five rows" else 2
     ids = torch.randint(0, model.config.vocab_size, (B, 8), generator=torch.Generator().manual_seed(22))
     mask = torch.ones_like(ids)
@@ -223,3 +224,67 @@ def test_a_module_class_reassigned_after_a_step_runs_its_modules(tiny_model, mon
     served = spy_layer_steps(monkeypatch)
     decode(model, ids, steps=1)
     assert sorted(served) == [i for i in range(len(model.model.layers)) if i != moe_layers[0].layer_idx]
+
+
+def one_token_at_a_time(model, ids):
+    """Every token of `ids` as a one-token step from an empty cache: (stacked logits, cache)."""
+    with torch.no_grad():
+        cache = model.make_cache(ids.shape[0], capacity=4)
+        logits = [model(ids[:, t: t + 1], cache=cache).logits[:, -1] for t in range(ids.shape[1])]
+    return torch.stack(logits, 1), cache
+
+
+def assert_equal(a, b):
+    assert torch.equal(a, b)
+
+
+def test_bf16_weights_are_read_as_their_fp32_values(tiny_model, monkeypatch):
+    """The layer step reads a bf16 weight as its exact fp32 value: decoder layers holding bf16 weights (their §0.4
+    tensors fp32) under an fp32 embedding, so fp32 activations and caches, give bit for bit the logits and caches of
+    the same model holding those values in fp32 (the same kernels, the same order of operations). Every token is a
+    one-token step: the modules would refuse the mixed dtypes of a longer call, as `F.linear` does."""
+    model = tiny_model(seed=28)
+    model.model.layers.to(torch.bfloat16)
+    assert model.model.layers[0].self_attn.A_log.dtype == torch.float32
+    twin = copy.deepcopy(model).float()
+    served = spy_layer_steps(monkeypatch)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(28))
+    logits, cache = one_token_at_a_time(model, ids)
+    assert sorted(served) == sorted(list(range(len(model.model.layers))) * 6)
+    twin_logits, twin_cache = one_token_at_a_time(twin, ids)
+    assert torch.equal(logits, twin_logits)
+    assert_same_caches(cache, twin_cache, close=assert_equal)
+
+
+def test_a_bf16_model_decodes_through_the_layer_step(monkeypatch):
+    """k3-tiny in bf16 (`.to(torch.bfloat16)`, the §0.4 tensors fp32), B = 2, an 8-token prefill then 8 one-token
+    steps: the layer step serves every layer of every step, and the logits and caches keep the dtypes of the
+    modules' path (bf16; the KDA state fp32). Its logits, those of the modules with their fused operations and those
+    of the torch ops (every kernel switched off) are each within 2 bf16 ulps of the largest logit of the fp32 model
+    holding the same values, and the layer step's within 2 ulps of the torch ops': every path ends in bf16 logits
+    (`lm_head` rounds once: half an ulp) after bf16 activations rounded at different places — once per layer in the
+    layer step, after every operation in the torch ops — which moved the logits by at most one more ulp here
+    (random init: top-2 margins of 0.001–0.005 at logits near 1, below one ulp, so greedy tokens are not compared)."""
+    torch.manual_seed(29)
+    model = K3ForCausalLM(K3Config.from_preset("k3-tiny")).eval().to(torch.bfloat16)
+    assert model.model.layers[0].self_attn.dt_bias.dtype == torch.float32
+    fp32_model = copy.deepcopy(model).float()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(29))
+    served = spy_layer_steps(monkeypatch)
+    logits, cache = decode(model, ids, steps=8)
+    assert sorted(served) == sorted(list(range(len(model.model.layers))) * 8)
+    reference, _ = decode(fp32_model, ids, steps=8)
+    modules_only(monkeypatch)
+    module_logits, module_cache = decode(model, ids, steps=8)
+    monkeypatch.setattr(compiled, "build", lambda name: (None, "off"))
+    with pytest.warns(UserWarning, match="unavailable"):
+        torch_logits, torch_cache = decode(model, ids, steps=8)
+    assert logits.dtype == module_logits.dtype == torch_logits.dtype == torch.bfloat16
+    for ours, theirs in zip(cache.layers, torch_cache.layers):
+        for name in ("conv_state_B3WP", "recurrent_state_BHKV", "latent_BSL"):
+            if hasattr(ours, name):
+                assert getattr(ours, name).dtype == getattr(theirs, name).dtype
+    ulp = 2.0 ** (torch.floor(torch.log2(reference.abs().max())).item() - 7)  # bf16: 8 significant bits
+    for path in (logits, module_logits, torch_logits):
+        assert (path.float() - reference).abs().max() <= 2 * ulp
+    assert (logits.float() - torch_logits.float()).abs().max() <= 2 * ulp

@@ -82,11 +82,11 @@ def test_attn_res_mix_matches_the_torch_ops(monkeypatch, n_sources):
     torch.testing.assert_close(fused.double(), reference, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", ["grad", "many rows", "float64", "bfloat16", "unbuilt", "shapes differ"])
+@pytest.mark.parametrize("case", ["grad", "many rows", "float64", "float16", "unbuilt", "shapes differ"])
 def test_other_calls_are_left_to_the_torch_ops(monkeypatch, case):
     """Autograd, more than `MAX_ROWS` rows, other dtypes, sources of different shapes, an unbuilt kernel: None,
     and the callers' torch ops serve."""
-    dtype = {"float64": torch.float64, "bfloat16": torch.bfloat16}.get(case, torch.float32)
+    dtype = {"float64": torch.float64, "float16": torch.float16}.get(case, torch.float32)
     shape = (compiled.MAX_ROWS + 1, 1, 16) if case == "many rows" else (1, 1, 16)
     sources, norm, proj = mix_inputs(2, shape)
     sources = [s.to(dtype) for s in sources]
@@ -124,3 +124,80 @@ def test_mla_step_matches_the_formula_over_long_caches(threads):
     torch.testing.assert_close(plain.double(), o.reshape(B, H * Vh), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gated.double(), (o.reshape(B, H * Vh) * torch.sigmoid(gate[:, 0].double())),
                                rtol=1e-5, atol=1e-6)
+
+
+# ---- bf16: each operation on bf16 tensors is the same operation on their fp32 values, its result rounded once ----
+
+def bf16(*tensors):
+    return [t.to(torch.bfloat16) for t in tensors]
+
+
+def widened(*tensors):
+    """The fp32 values of bf16 tensors (exact), fp32 tensors unchanged (the fp32 set of §0.4)."""
+    return [t.float() for t in tensors]
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_bf16_norms_and_mix_are_the_fp32_ones_rounded_once(rows):
+    """RMSNorm (bf16 gain) returns x's dtype, the plain and L2 norms fp32 (the torch ops' contracts), the AttnRes mix
+    its sources' dtype; each equals, bit for bit, the kernel's fp32 result on the widened values, rounded once where
+    its dtype is bf16. Widths 37 and 200: not whole vectors."""
+    for width in (37, 200):
+        x, gain = bf16(randn(rows, 1, width, scale=3.0), 1 + 0.3 * randn(width, seed=1))
+        sources, norm, proj = mix_inputs(3, (rows, 1, width))
+        sources, (gamma, query) = bf16(*sources), bf16(norm.weight.detach(), proj.weight.detach()[0])
+        with torch.no_grad():
+            y = decode.rms_norm(x, gain, 1e-5)
+            assert torch.equal(y, decode.rms_norm(*widened(x, gain), 1e-5).to(torch.bfloat16))
+            for mean in (True, False):
+                plain = decode.rms_norm(x, None, 1e-6, mean=mean)
+                assert plain.dtype == torch.float32 and torch.equal(plain, decode.rms_norm(x.float(), None, 1e-6, mean))
+            mix = decode.attn_res_mix(sources, gamma, query, 1e-5)
+            assert torch.equal(mix, decode.attn_res_mix(widened(*sources), *widened(gamma, query), 1e-5).to(
+                torch.bfloat16))
+
+
+def test_bf16_kda_step_is_the_fp32_step_rounded_once():
+    """A bf16 model's KDA step: bf16 projections and conv windows, the fp32 tensors of §0.4 and the fp32 state. The
+    output is the fp32 step's on the widened values rounded once to bf16, the state the fp32 step's, the windows its
+    inputs (bf16 already: stored exactly). K = 20, not a whole vector."""
+    B, H, K, W = 2, 3, 20, 4
+    P = H * K
+    q, k, v, f, z = bf16(*(randn(B, P, seed=s) for s in range(5)))
+    b, windows = bf16(randn(B, H, seed=5), randn(B, 3, W - 1, P, seed=6))
+    convs = [0.5 * randn(P, 1, W, seed=7 + i) for i in range(3)]
+    A_log, dt_bias, o_norm = 0.3 * randn(H, seed=10), 0.5 * randn(P, seed=11), 1 + 0.2 * randn(K, seed=12)
+    state = 0.1 * randn(B, H, K, K, seed=13)
+    fp32_windows, fp32_state = windows.float(), state.clone()
+    with torch.no_grad():
+        out = decode.kda_step(q, k, v, windows, convs, f, A_log, dt_bias, -5.0, b, state, z, o_norm, 1e-5)
+        expected = decode.kda_step(*widened(q, k, v), fp32_windows, convs, f.float(), A_log, dt_bias, -5.0,
+                                   b.float(), fp32_state, z.float(), o_norm, 1e-5)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected.to(torch.bfloat16))
+    assert torch.equal(state, fp32_state) and torch.equal(windows, fp32_windows.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_bf16_moe_routed_is_the_fp32_one_rounded_once(rows):
+    """Router and routed experts with bf16 weights (the router bias fp32): the fp32 result on the widened values,
+    rounded once to z's dtype (bf16). Widths D 37, L 21, M 27: not whole vectors."""
+    D, L, M, E = 37, 21, 27, 6
+    x, z = bf16(randn(rows, D, seed=1), randn(rows, L, seed=2))
+    gate, w1, w3, w2 = bf16(randn(E, D, seed=3), randn(E, M, L, seed=4), randn(E, M, L, seed=5), randn(E, L, M, seed=6))
+    bias = 0.1 * randn(E, seed=7)
+    with torch.no_grad():
+        r = decode.moe_routed(x, z, gate, bias, w1, w3, w2, 2, True, 2.5, (4.0, 25.0))
+        expected = decode.moe_routed(*widened(x, z, gate), bias, *widened(w1, w3, w2), 2, True, 2.5, (4.0, 25.0))
+    assert r.dtype == torch.bfloat16 and torch.equal(r, expected.to(torch.bfloat16))
+
+
+def test_bf16_mla_step_is_the_fp32_step_rounded_once():
+    """Absorbed MLA over a bf16 latent cache with a bf16 kv_b weight and gate: the fp32 step on the widened values
+    (over 300 positions, several blocks and tasks), rounded once to bf16; the same shapes as the fp32 test above."""
+    B, H, N, R, C, Vh, S = 2, 3, 5, 6, 20, 7, 300
+    q, latent = bf16(randn(B, 1, H, N + R, seed=20), randn(B, 320, C + R, seed=21))
+    kv_b, gate = bf16(randn(H * (N + Vh), C, seed=22, scale=0.3), randn(B, 1, H * Vh, seed=23))
+    with torch.no_grad():
+        o = decode.mla_step(q, latent, S, kv_b, N, Vh, gate, 0.25)
+        expected = decode.mla_step(*widened(q, latent), S, kv_b.float(), N, Vh, gate.float(), 0.25)
+    assert o.dtype == torch.bfloat16 and torch.equal(o, expected.to(torch.bfloat16))

@@ -33,17 +33,75 @@ def test_a_strided_input_is_read_correctly():
         torch.testing.assert_close(matvec.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["grad", "many rows", "bfloat16", "float64", "unbuilt"])
+@pytest.mark.parametrize("case", ["grad", "many rows", "float16", "float64", "unbuilt"])
 def test_other_calls_are_f_linear_exactly(monkeypatch, case):
     """Autograd, more than `MAX_ROWS` rows, other dtypes, a kernel that could not be built: `F.linear` itself."""
     rows = matvec.MAX_ROWS + 1 if case == "many rows" else 1
-    dtype = {"bfloat16": torch.bfloat16, "float64": torch.float64}.get(case, torch.float32)
+    dtype = {"float16": torch.float16, "float64": torch.float64}.get(case, torch.float32)
     x, w = randn(rows, 64, dtype=dtype), randn(48, 64, seed=1, dtype=dtype)
     if case == "unbuilt":
         monkeypatch.setattr(compiled, "build", lambda name: (None, "RuntimeError: no compiler"))
     warns = pytest.warns(UserWarning, match="unavailable") if case == "unbuilt" else contextlib.nullcontext()
     with torch.set_grad_enabled(case == "grad"), warns:
         assert torch.equal(matvec.linear(x, w), F.linear(x, w))
+
+
+def test_an_input_and_weight_of_different_dtypes_are_refused_as_f_linear_refuses_them():
+    """The kernel could multiply fp32 rows by bf16 weights, but `F.linear` does not: neither does `linear`."""
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        matvec.linear(randn(1, 64), randn(48, 64, dtype=torch.bfloat16))
+
+
+BF16_WIDTHS = [37, 200, 1000]  # input widths that are not whole vectors of 16 or 32 lanes
+
+
+def assert_rounded_once(y, reference):
+    """y is bf16 and the fp32 reference rounded once: within half a bf16 ulp of it (at most 2⁻⁸ of its magnitude),
+    plus the reference's own fp32 rounding."""
+    assert y.dtype == torch.bfloat16
+    error = (y.double() - reference.double()).abs()
+    assert (error <= reference.double().abs() * 2**-8 + 1e-5 * reference.abs().max().item()).all()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("width", BF16_WIDTHS)
+def test_bf16_weights_give_the_fp32_products_of_their_values(rows, width):
+    """bf16 weights are widened exactly as they are read: the kernel's products of fp32 rows with bf16 weights equal,
+    bit for bit, its products with the same weights in fp32 (several weights in one pass, and per-expert rows),
+    which match `F.linear` to fp32 rounding."""
+    kernel = compiled.load("matvec")
+    x = randn(rows, width)
+    weights = [randn(301, width, seed=1, dtype=torch.bfloat16), randn(19, width, seed=2, dtype=torch.bfloat16)]
+    experts, counts = randn(5, 33, width, seed=3, dtype=torch.bfloat16), torch.tensor([0, 1, 0, rows - 1, 0])
+    with torch.no_grad():
+        products = kernel.linears(x, weights)
+        assert all(y.dtype == torch.float32 for y in products)
+        for y, y32, w in zip(products, kernel.linears(x, [w.float() for w in weights]), weights):
+            assert torch.equal(y, y32)
+            torch.testing.assert_close(y, F.linear(x, w.float()), rtol=1e-5, atol=1e-5)
+        assert torch.equal(kernel.expert_linear(x, experts, counts), kernel.expert_linear(x, experts.float(), counts))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 37), (2, 1, 200), (3, 200), (4, 1000)])
+def test_bf16_calls_take_the_kernel_and_round_once(shape):
+    """A bf16 model's calls (input and weight bf16): the kernel serves `linear`, `project` and the few-row
+    `grouped_mm`, and each output is bf16 — `F.linear`'s dtype — and the fp32 product of the bf16 values rounded
+    once (`F.linear` rounds the same sum)."""
+    kernel = compiled.load("matvec")
+    x, w = randn(*shape, dtype=torch.bfloat16), randn(301, shape[-1], seed=1, dtype=torch.bfloat16)
+    layers = [matvec.Linear(shape[-1], out).to(torch.bfloat16) for out in (45, 7)]
+    with torch.no_grad():
+        y = matvec.linear(x, w)
+        assert y.shape == (*shape[:-1], 301) and torch.equal(y, kernel.linear(x.float(), w).to(torch.bfloat16))
+        assert_rounded_once(y, F.linear(x.float(), w.float()))
+        for out, layer in zip(matvec.project(x, *layers), layers):
+            assert torch.equal(out, kernel.linear(x.float(), layer.weight).to(torch.bfloat16))
+        rows = x.reshape(-1, shape[-1])
+        counts = torch.tensor([rows.shape[0] - 1, 0, 1])
+        experts = randn(3, 29, shape[-1], seed=2, dtype=torch.bfloat16)  # [E, out, in], used transposed
+        grouped = gm.grouped_mm(rows, experts.transpose(-1, -2), counts)
+        assert torch.equal(grouped, kernel.expert_linear(rows.float(), experts, counts).to(torch.bfloat16))
+        assert_rounded_once(grouped, gm.grouped_mm_reference(rows.float(), experts.float().transpose(-1, -2), counts))
 
 
 def test_linear_module_is_nn_linear_with_the_kernel():

@@ -72,11 +72,12 @@ def _build_directory(name: str, capability: str) -> str:
     return path
 
 
-def serves(name: str, *tensors: torch.Tensor) -> bool:
-    """Whether kernel `name` takes a call on `tensors`: contiguous-able fp32 CPU tensors of the plain types (a
-    DTensor or another subclass: the torch ops), and the kernel built (the first refusal warns, see `load`)."""
+def serves(name: str, *tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether kernel `name` takes a call on `tensors`: contiguous-able CPU tensors of `dtypes` (the kernel's: fp32
+    unless it reads others) and of the plain types (a DTensor or another subclass: the torch ops), and the kernel
+    built (the first refusal warns, see `load`)."""
     for t in tensors:  # a loop of cheap attribute reads: this runs before every decode-sized call
-        if type(t) not in _PLAIN_TYPES or t.dtype is not torch.float32 or not t.is_cpu:
+        if type(t) not in _PLAIN_TYPES or t.dtype not in dtypes or not t.is_cpu:
             return False
     return load(name) is not None
 
@@ -93,9 +94,10 @@ def hooked(*modules: torch.nn.Module) -> bool:
                 or any(m._forward_hooks or m._forward_pre_hooks for m in modules))
 
 
-def serves_few_rows(name: str, rows: int, *tensors: torch.Tensor) -> bool:
+def serves_few_rows(name: str, rows: int, *tensors: torch.Tensor,
+                    dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
     """Whether a few-row kernel takes a call: at most `MAX_ROWS` rows, no autograd, and `serves`."""
-    return not torch.is_grad_enabled() and rows <= MAX_ROWS and serves(name, *tensors)
+    return not torch.is_grad_enabled() and rows <= MAX_ROWS and serves(name, *tensors, dtypes=dtypes)
 
 
 def load(name: str):

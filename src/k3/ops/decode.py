@@ -2,9 +2,14 @@
 
 A decode step of a small model spends most of its CPU time on the per-call cost of small operations, not on their
 arithmetic: an RMSNorm is five torch operations, an AttnRes mix about forty, the KDA step after its projections
-about a hundred. Each function here does one of them as one compiled call for the calls of decoding — fp32 CPU
-tensors, at most `compiled.MAX_ROWS` rows, no autograd — and returns None for every other call, where the
+about a hundred. Each function here does one of them as one compiled call for the calls of decoding — fp32 or bf16
+CPU tensors, at most `compiled.MAX_ROWS` rows, no autograd — and returns None for every other call, where the
 caller's torch operations run; those are the references the tests compare against.
+
+A bf16 model's calls (bf16 weights, activations and caches; the §0.4 tensors fp32) compute in fp32: weight matrices
+and caches are read as stored (bf16 widened exactly: half the bytes of fp32), activations widened once, and each
+result is rounded once to the dtype the torch ops would return (the activation's; the plain norms' fp32), where the
+torch ops round after every operation.
 """
 # Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 # Here: N rows, C channels, S sources.
@@ -16,13 +21,17 @@ import torch
 from k3.ops import compiled
 
 
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads, tensor by tensor
+
+
 def serves(rows: int, *tensors: torch.Tensor) -> bool:
     """Whether the decode kernel takes a call of `rows` rows on `tensors` (`compiled.serves_few_rows`)."""
-    return compiled.serves_few_rows("decode", rows, *tensors)
+    return compiled.serves_few_rows("decode", rows, *tensors, dtypes=DTYPES)
 
 
 def rms_norm(x_NC: torch.Tensor, weight_C: torch.Tensor | None, eps: float, mean: bool = True) -> torch.Tensor | None:
-    """weight ⊙ x / sqrt(mean(x²) + ε) over the last axis (`mean=False`: Σ x², the L2 norm; no weight: no gain)."""
+    """weight ⊙ x / sqrt(mean(x²) + ε) over the last axis (`mean=False`: Σ x², the L2 norm; no weight: no gain);
+    in x's dtype with a weight (`RMSNorm`), fp32 without (`rms_normalize`, `l2_normalize`)."""
     if not serves(compiled.rows(x_NC), x_NC, *(() if weight_C is None else (weight_C,))):
         return None
     return compiled.load("decode").rms_norm(x_NC.contiguous(), None if weight_C is None else weight_C.contiguous(),
@@ -57,8 +66,8 @@ def moe_routed(x_ND: torch.Tensor, z_NL: torch.Tensor, gate_weight_ED: torch.Ten
                w1_EML: torch.Tensor, w3_EML: torch.Tensor, w2_ELM: torch.Tensor, k: int, renormalize: bool,
                scaling: float, betas: tuple[float, float | None] | None) -> torch.Tensor | None:
     """Router and routed experts of a MoE layer (k3.model.moe): top-k of σ(x Wᵀ) + bias, weights from the unbiased
-    scores (renormalised, scaled), r = Σ_e w_e · W2_e act(W1_e z, W3_e z) in fp32 [N, L]. `betas` = (β₁, β₂) for
-    SiTU-GLU (β₂ None: uncapped), None for SwiGLU."""
+    scores (renormalised, scaled), r = Σ_e w_e · W2_e act(W1_e z, W3_e z) accumulated in fp32, [N, L] in z's dtype.
+    `betas` = (β₁, β₂) for SiTU-GLU (β₂ None: uncapped), None for SwiGLU."""
     if not serves(compiled.rows(x_ND), x_ND, z_NL, gate_weight_ED, bias_E, w1_EML, w3_EML, w2_ELM):
         return None
     beta1, beta2 = betas or (0.0, 0.0)

@@ -1,6 +1,8 @@
 // Fused operations of a one-token step (k3/ops/decode.py, docs/architecture.md §0.6): each replaces the dozen or
 // more small torch operations whose per-call cost, not their arithmetic, makes up most of a decode step on a CPU.
-// fp32, a few rows; the formulas are those of the torch ops they replace (named at each function).
+// A few rows; the formulas are those of the torch ops they replace (named at each function). Tensors fp32 or bf16:
+// the arithmetic is fp32 — weight matrices and the caches read as stored (bf16 widened exactly), activations and
+// small vectors widened once — and each result is rounded once to its activation's dtype (`k3::like`).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -10,54 +12,56 @@
 
 #include <algorithm>
 #include <cmath>
-#include <initializer_list>
 #include <vector>
 
 namespace {
 
-void check(const torch::Tensor &t, const char *what) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.device().is_cpu(), "decode kernel: ", what,
-              " must be a contiguous fp32 CPU tensor");
-}
-
-void check(std::initializer_list<std::pair<const torch::Tensor *, const char *>> named) {
-  for (const auto &[t, what] : named) check(*t, what);
+// a tensor read (a weight matrix) or updated in place (a cache) as stored: contiguous fp32 or bf16 on the CPU, or
+// fp32 only (the KDA state, fp32 by §0.4)
+void check(const torch::Tensor &t, const char *what, bool fp32 = false) {
+  TORCH_CHECK(k3::readable(t) && t.is_contiguous() && (!fp32 || t.scalar_type() == torch::kFloat), "decode kernel: ",
+              what, fp32 ? " must be a contiguous fp32 CPU tensor" : " must be a contiguous fp32 or bf16 CPU tensor");
 }
 
 using k3::dot;
+using k3::floats;
+using k3::like;
 using k3::rows_dot;
 using k3::sigmoid;
+using k3::typed;
 
 using k3::inverse_norm;
 
 // RMSNorm / L2 normalisation over the last axis (k3.ops.norm): y = x / sqrt(mean(x²) + ε) (`mean`) or
-// x / sqrt(Σ x² + ε), times `weight` [C] when given
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> weight, double eps, bool mean) {
-  check(x, "x");
+// x / sqrt(Σ x² + ε), times `weight` [C] when given; in x's dtype with a weight (RMSNorm), fp32 without (the plain
+// norms' contract)
+torch::Tensor rms_norm(const torch::Tensor &x_in, const c10::optional<torch::Tensor> &weight, double eps, bool mean) {
+  const auto x = floats(x_in);
   const int64_t C = x.size(-1), N = x.numel() / C;
-  const float *w = nullptr;
+  torch::Tensor w;
   if (weight) {
-    check(*weight, "weight");
-    TORCH_CHECK(weight->numel() == C, "decode kernel: the norm weight has ", weight->numel(), " entries, x rows ", C);
-    w = weight->data_ptr<float>();
+    w = floats(*weight);
+    TORCH_CHECK(w.numel() == C, "decode kernel: the norm weight has ", w.numel(), " entries, x rows ", C);
   }
   auto y = torch::empty_like(x);
-  const float *xp = x.data_ptr<float>();
+  const float *xp = x.data_ptr<float>(), *wp = weight ? w.data_ptr<float>() : nullptr;
   float *yp = y.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n) k3::normalize_row(xp + n * C, w, yp + n * C, C, mean ? C : 1, eps);
-  return y;
+  for (int64_t n = 0; n < N; ++n) k3::normalize_row(xp + n * C, wp, yp + n * C, C, mean ? C : 1, eps);
+  return weight ? like(y, x_in) : y;
 }
 
 // Block AttnRes mix (k3.model.attn_res): per row, p = softmax_s((V_s·q) / sqrt(mean(V_s²) + ε)) with the
-// pseudo-query q = γ ⊙ w, then Σ_s p_s V_s in the order of the sources. Each source is [N, D].
-torch::Tensor attn_res_mix(std::vector<torch::Tensor> sources, torch::Tensor gamma, torch::Tensor w, double eps) {
-  TORCH_CHECK(!sources.empty(), "decode kernel: no sources to mix");
-  for (const auto &s : sources) {
-    check(s, "every source");
-    TORCH_CHECK(s.sizes() == sources[0].sizes(), "decode kernel: the sources differ in shape");
+// pseudo-query q = γ ⊙ w, then Σ_s p_s V_s in the order of the sources, in the first source's dtype. Each source is
+// [N, D].
+torch::Tensor attn_res_mix(const std::vector<torch::Tensor> &sources_in, const torch::Tensor &gamma_in,
+                           const torch::Tensor &w_in, double eps) {
+  TORCH_CHECK(!sources_in.empty(), "decode kernel: no sources to mix");
+  std::vector<torch::Tensor> sources;
+  for (const auto &s : sources_in) {
+    sources.push_back(floats(s));
+    TORCH_CHECK(s.sizes() == sources_in[0].sizes(), "decode kernel: the sources differ in shape");
   }
-  check(gamma, "the norm gain");
-  check(w, "the pseudo-query");
+  const auto gamma = floats(gamma_in), w = floats(w_in);
   const int64_t D = sources[0].size(-1), N = sources[0].numel() / D, S = sources.size();
   TORCH_CHECK(gamma.numel() == D && w.numel() == D, "decode kernel: gain and pseudo-query must have ", D, " entries");
   std::vector<float> q(D), p(S), r(S);
@@ -70,15 +74,18 @@ torch::Tensor attn_res_mix(std::vector<torch::Tensor> sources, torch::Tensor gam
     for (int64_t s = 0; s < S; ++s) V[s] = sources[s].data_ptr<float>() + n * D;
     k3::mix_row(V.data(), S, q.data(), D, eps, p.data(), r.data(), yp + n * D);
   }
-  return y;
+  return like(y, sources_in[0]);
 }
 
 // One KDA decode step of one (sequence, head) (k3.model.kda, §3.2, §3.4): short conv + SiLU of the head's q, k, v
 // channels (shifting their windows), L2-normalised q·K^-1/2 and k, decay g, β = σ(b), the delta-rule update of the
-// state S [K, V] in place, o = Sᵀq, and the gated norm RMSNorm(o)·w·σ(z) written to `out`.
+// state S [K, V] in place, o = Sᵀq, and the gated norm RMSNorm(o)·w·σ(z) written to `out`. The conv windows are
+// the cache's, of type T (the activation dtype: an input is rounded once as it enters its window).
+template <typename T>
 struct KdaStep {
   const float *proj[3], *conv_w[3], *f, *A_log, *dt_bias, *b, *z, *o_norm_w;
-  float *conv_state, *state, *out;
+  T *conv_state;
+  float *state, *out;
   int64_t H, K, W, P;
   float lower_bound, eps;
   bool bounded;
@@ -86,14 +93,14 @@ struct KdaStep {
   void operator()(int64_t b_, int64_t h, std::vector<float> &qkv) const {
     const int64_t c0 = h * K;
     for (int s = 0; s < 3; ++s) {  // the three streams q, k, v: window [W−1 past inputs, this input]
-      float *window = conv_state + (b_ * 3 + s) * (W - 1) * P;
+      T *window = conv_state + (b_ * 3 + s) * (W - 1) * P;
       const float *x = proj[s] + b_ * P, *w = conv_w[s];
       for (int64_t c = c0; c < c0 + K; ++c) {
         float y = 0.f;
-        for (int64_t j = 0; j < W - 1; ++j) y += w[c * W + j] * window[j * P + c];
+        for (int64_t j = 0; j < W - 1; ++j) y += w[c * W + j] * static_cast<float>(window[j * P + c]);
         y += w[c * W + W - 1] * x[c];
         for (int64_t j = 0; j + 1 < W - 1; ++j) window[j * P + c] = window[(j + 1) * P + c];
-        if (W > 1) window[(W - 2) * P + c] = x[c];
+        if (W > 1) window[(W - 2) * P + c] = static_cast<T>(x[c]);
         qkv[s * K + c - c0] = y * sigmoid(y);  // SiLU
       }
     }
@@ -124,16 +131,21 @@ struct KdaStep {
   }
 };
 
-// q, k, v, f, z [B, P] projections (P = H·K), b [B, H]; conv_state [B, 3, W−1, P] and state [B, H, K, K] updated in
-// place; conv weights [P, 1, W]; A_log [H], dt_bias [P], o_norm_w [K]. `bounded`: g = λσ(e^A (f + dt_bias)), else
-// g = −e^A softplus(f + dt_bias). Returns the gated-norm output [B, P] (the input of o_proj).
-torch::Tensor kda_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor conv_state, torch::Tensor wq,
-                       torch::Tensor wk, torch::Tensor wv, torch::Tensor f, torch::Tensor A_log, torch::Tensor dt_bias,
-                       bool bounded, double lower_bound, torch::Tensor b, torch::Tensor state, torch::Tensor z,
-                       torch::Tensor o_norm_w, double eps) {
-  check({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&conv_state, "conv_state"}, {&wq, "q_conv1d"}, {&wk, "k_conv1d"},
-         {&wv, "v_conv1d"}, {&f, "f"}, {&A_log, "A_log"}, {&dt_bias, "dt_bias"}, {&b, "b"}, {&state, "state"},
-         {&z, "z"}, {&o_norm_w, "o_norm"}});
+// q, k, v, f, z [B, P] projections (P = H·K), b [B, H]; conv_state [B, 3, W−1, P] (the activation dtype) and state
+// [B, H, K, K] (fp32) updated in place; conv weights [P, 1, W]; A_log [H], dt_bias [P], o_norm_w [K]. `bounded`:
+// g = λσ(e^A (f + dt_bias)), else g = −e^A softplus(f + dt_bias). Returns the gated-norm output [B, P] (the input of
+// o_proj) in q's dtype.
+torch::Tensor kda_step(const torch::Tensor &q_in, const torch::Tensor &k_in, const torch::Tensor &v_in,
+                       const torch::Tensor &conv_state, const torch::Tensor &wq_in, const torch::Tensor &wk_in,
+                       const torch::Tensor &wv_in, const torch::Tensor &f_in, const torch::Tensor &A_log_in,
+                       const torch::Tensor &dt_bias_in, bool bounded, double lower_bound, const torch::Tensor &b_in,
+                       const torch::Tensor &state, const torch::Tensor &z_in, const torch::Tensor &o_norm_w_in,
+                       double eps) {
+  check(conv_state, "conv_state");
+  check(state, "state", true);
+  const auto q = floats(q_in), k = floats(k_in), v = floats(v_in), wq = floats(wq_in), wk = floats(wk_in),
+             wv = floats(wv_in), f = floats(f_in), A_log = floats(A_log_in), dt_bias = floats(dt_bias_in),
+             b = floats(b_in), z = floats(z_in), o_norm_w = floats(o_norm_w_in);
   const int64_t B = state.size(0), H = state.size(1), K = state.size(2), P = H * K, W = wq.size(-1);
   TORCH_CHECK(state.dim() == 4 && state.size(3) == K, "decode kernel: the KDA state must be [B, H, K, K]");
   for (const auto *t : {&q, &k, &v, &f, &z})
@@ -143,17 +155,20 @@ torch::Tensor kda_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
                   o_norm_w.numel() == K,
               "decode kernel: KDA parameter or cache shapes disagree");
   auto out = torch::empty({B, P}, q.options());
-  const KdaStep step{{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>()},
-                     {wq.data_ptr<float>(), wk.data_ptr<float>(), wv.data_ptr<float>()},
-                     f.data_ptr<float>(), A_log.data_ptr<float>(), dt_bias.data_ptr<float>(), b.data_ptr<float>(),
-                     z.data_ptr<float>(), o_norm_w.data_ptr<float>(), conv_state.data_ptr<float>(),
-                     state.data_ptr<float>(), out.data_ptr<float>(), H, K, W, P, static_cast<float>(lower_bound),
-                     static_cast<float>(eps), bounded};
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(5 * K);
-    for (int64_t t = begin; t < end; ++t) step(t / H, t % H, scratch);
+  typed(conv_state, [&](auto *windows) {
+    using T = std::remove_pointer_t<decltype(windows)>;
+    const KdaStep<T> step{{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>()},
+                          {wq.data_ptr<float>(), wk.data_ptr<float>(), wv.data_ptr<float>()},
+                          f.data_ptr<float>(), A_log.data_ptr<float>(), dt_bias.data_ptr<float>(), b.data_ptr<float>(),
+                          z.data_ptr<float>(), o_norm_w.data_ptr<float>(), windows, state.data_ptr<float>(),
+                          out.data_ptr<float>(), H, K, W, P, static_cast<float>(lower_bound), static_cast<float>(eps),
+                          bounded};
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(5 * K);
+      for (int64_t t = begin; t < end; ++t) step(t / H, t % H, scratch);
+    });
   });
-  return out;
+  return like(out, q_in);
 }
 
 // The gated activation of the FFNs (k3.model.ffn.glu_activation): SiTU-GLU β₁tanh(g/β₁)σ(g)·β₂tanh(u/β₂) (β₂ ≤ 0:
@@ -176,13 +191,15 @@ void glu(float *g, const float *u, int64_t n, const Activation &act) {
 // The routed half of a MoE layer for a few tokens (k3.model.moe, §6.3, §6.4): the sigmoid router on x [N, D]
 // (scores σ(x Wᵀ), top-k of scores + bias, weights from the unbiased scores, renormalised, scaled), then
 // r = Σ_e w_e · W2_e act(W1_e z, W3_e z) over the chosen experts in ascending id (the reference's order), on the
-// expert inputs z [N, L]. act: SiTU-GLU β₁tanh(g/β₁)σ(g)·β₂tanh(u/β₂) (β₂ ≤ 0: u uncapped), or SwiGLU.
+// expert inputs z [N, L]; r in z's dtype. act: SiTU-GLU β₁tanh(g/β₁)σ(g)·β₂tanh(u/β₂) (β₂ ≤ 0: u uncapped), or
+// SwiGLU.
 struct Expert {
   int64_t row, id;
   float weight;
 };
 
-std::vector<Expert> route(const float *x, const float *gate_w, const float *bias, int64_t N, int64_t D, int64_t E,
+template <typename T>
+std::vector<Expert> route(const float *x, const T *gate_w, const float *bias, int64_t N, int64_t D, int64_t E,
                           int64_t k, bool renormalize, float scaling) {
   std::vector<Expert> chosen;
   std::vector<float> score(E), choice(E);
@@ -208,62 +225,74 @@ std::vector<Expert> route(const float *x, const float *gate_w, const float *bias
   return chosen;
 }
 
-torch::Tensor moe_routed(torch::Tensor x, torch::Tensor z, torch::Tensor gate_w, torch::Tensor bias, torch::Tensor w1,
-                         torch::Tensor w3, torch::Tensor w2, int64_t k, bool renormalize, double scaling, bool situ,
-                         double beta1, double beta2) {
-  check({{&x, "x"}, {&z, "z"}, {&gate_w, "gate.weight"}, {&bias, "e_score_correction_bias"}, {&w1, "w1"},
-         {&w3, "w3"}, {&w2, "w2"}});
+torch::Tensor moe_routed(const torch::Tensor &x_in, const torch::Tensor &z_in, const torch::Tensor &gate_w,
+                         const torch::Tensor &bias_in, const torch::Tensor &w1, const torch::Tensor &w3,
+                         const torch::Tensor &w2, int64_t k, bool renormalize, double scaling, bool situ, double beta1,
+                         double beta2) {
+  check(gate_w, "gate.weight");
+  check(w1, "w1");
+  check(w3, "w3");
+  check(w2, "w2");
+  const auto x = floats(x_in), z = floats(z_in), bias = floats(bias_in);
   const int64_t D = x.size(-1), N = x.numel() / D, E = w1.size(0), M = w1.size(1), L = w1.size(2);
   TORCH_CHECK(z.numel() == N * L && gate_w.numel() == E * D && bias.numel() == E && w3.sizes() == w1.sizes() &&
                   w2.size(0) == E && w2.size(1) == L && w2.size(2) == M && k >= 1 && k <= E,
               "decode kernel: MoE shapes disagree");
-  const auto chosen = route(x.data_ptr<float>(), gate_w.data_ptr<float>(), bias.data_ptr<float>(), N, D, E, k,
-                            renormalize, static_cast<float>(scaling));
+  TORCH_CHECK(w3.scalar_type() == w1.scalar_type(), "decode kernel: w1 and w3 differ in dtype");
+  const auto chosen = typed(gate_w, [&](const auto *g) {
+    return route(x.data_ptr<float>(), g, bias.data_ptr<float>(), N, D, E, k, renormalize, static_cast<float>(scaling));
+  });
   const int64_t A = chosen.size();
   std::vector<float> h(A * M), u(A * M), y(A * L);
-  const float *zp = z.data_ptr<float>(), *w1p = w1.data_ptr<float>(), *w3p = w3.data_ptr<float>(),
-              *w2p = w2.data_ptr<float>();
-  at::parallel_for(0, A * M, 16, [&](int64_t begin, int64_t end) {  // gate and up rows of every chosen expert
-    for (int64_t r = begin, n; r < end; r += n) {  // the part of [begin, end) in each chosen expert
-      const Expert &c = chosen[r / M];
-      const int64_t row = c.id * M + r % M;
-      n = std::min(end, (r / M + 1) * M) - r;
-      rows_dot(w1p + row * L, n, L, zp + c.row * L, h.data() + r);
-      rows_dot(w3p + row * L, n, L, zp + c.row * L, u.data() + r);
-    }
+  const float *zp = z.data_ptr<float>();
+  typed(w1, [&](const auto *w1p) {
+    const auto *w3p = static_cast<decltype(w1p)>(w3.data_ptr());  // w1's dtype (checked)
+    at::parallel_for(0, A * M, 16, [&](int64_t begin, int64_t end) {  // gate and up rows of every chosen expert
+      for (int64_t r = begin, n; r < end; r += n) {  // the part of [begin, end) in each chosen expert
+        const Expert &c = chosen[r / M];
+        const int64_t row = c.id * M + r % M;
+        n = std::min(end, (r / M + 1) * M) - r;
+        rows_dot(w1p + row * L, n, L, zp + c.row * L, h.data() + r);
+        rows_dot(w3p + row * L, n, L, zp + c.row * L, u.data() + r);
+      }
+    });
   });
   glu(h.data(), u.data(), A * M, {situ, static_cast<float>(beta1), static_cast<float>(beta2)});
-  at::parallel_for(0, A * L, 16, [&](int64_t begin, int64_t end) {  // down rows
-    for (int64_t r = begin, n; r < end; r += n) {
-      n = std::min(end, (r / L + 1) * L) - r;
-      rows_dot(w2p + (chosen[r / L].id * L + r % L) * M, n, M, h.data() + (r / L) * M, y.data() + r);
-    }
+  typed(w2, [&](const auto *w2p) {
+    at::parallel_for(0, A * L, 16, [&](int64_t begin, int64_t end) {  // down rows
+      for (int64_t r = begin, n; r < end; r += n) {
+        n = std::min(end, (r / L + 1) * L) - r;
+        rows_dot(w2p + (chosen[r / L].id * L + r % L) * M, n, M, h.data() + (r / L) * M, y.data() + r);
+      }
+    });
   });
   auto out = torch::zeros({N, L}, x.options());
   float *op = out.data_ptr<float>();
   for (int64_t a = 0; a < A; ++a)
     for (int64_t l = 0; l < L; ++l) op[chosen[a].row * L + l] += chosen[a].weight * y[a * L + l];
-  return out;
+  return like(out, z_in);
 }
 
 constexpr int64_t kHeads = 8;   // heads whose sums one pass over the latent rows accumulates together
 constexpr int64_t kBlock = 16;  // latent rows per block: their scores, then their weighted sum, while in L1
 constexpr int64_t kSplit = 256;  // latent rows per task; the tasks' partial softmaxes are merged at the end
 
-// out[h] = q[h] · row for kHeads query rows q [kHeads, n]: the row is loaded once per vector for all of them
-inline void dot_heads(const float *q, const float *row, int64_t n, float *out) {
+// out[h] = q[h] · row for kHeads query rows q [kHeads, n]: the row (fp32 or bf16, the cache's) is loaded once per
+// vector for all of them
+template <typename T>
+inline void dot_heads(const float *q, const T *row, int64_t n, float *out) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t V = Vec::size();
   Vec acc[kHeads];
   for (auto &a : acc) a = Vec(0.f);
   int64_t j = 0;
   for (; j + V <= n; j += V) {
-    const Vec r = Vec::loadu(row + j);
+    const Vec r = k3::load(row + j);
     for (int64_t h = 0; h < kHeads; ++h) acc[h] = at::vec::fmadd(Vec::loadu(q + h * n + j), r, acc[h]);
   }
   for (int64_t h = 0; h < kHeads; ++h) {
     out[h] = at::vec::vec_reduce_all<float>([](Vec &x, Vec &y) { return x + y; }, acc[h]);
-    for (int64_t t = j; t < n; ++t) out[h] += q[h * n + t] * row[t];
+    for (int64_t t = j; t < n; ++t) out[h] = std::fma(q[h * n + t], static_cast<float>(row[t]), out[h]);
   }
 }
 
@@ -275,7 +304,8 @@ struct RunningSoftmax {
 
   // take the next n ≤ kBlock latent rows of one sequence (from `latent`, row stride L) for the queries q_lat
   // [heads, L]
-  void take(const float *q_lat, const float *latent, int64_t L, int64_t n, float scale) {
+  template <typename T>
+  void take(const float *q_lat, const T *latent, int64_t L, int64_t n, float scale) {
     using Vec = at::vec::Vectorized<float>;
     static_assert(kBlock % Vec::size() == 0, "a block of scores is whole vectors");
     float p[kHeads * kBlock];  // scores, then their weights e^(score − m), of a block of kHeads heads
@@ -304,7 +334,7 @@ struct RunningSoftmax {
         Vec acc[kHeads];
         for (int64_t h = 0; h < kHeads; ++h) acc[h] = Vec::loadu(o + (h0 + h) * C + c0, m);
         for (int64_t r = 0; r < n; ++r) {
-          const Vec row = Vec::loadu(latent + r * L + c0, m);
+          const Vec row = k3::load(latent + r * L + c0, m);
           for (int64_t h = 0; h < kHeads; ++h) acc[h] = at::vec::fmadd(Vec(p[h * kBlock + r]), row, acc[h]);
         }
         for (int64_t h = 0; h < kHeads; ++h) acc[h].store(o + (h0 + h) * C + c0, m);
@@ -319,64 +349,73 @@ struct RunningSoftmax {
 //   p = softmax_s([W_UKᵀ q_nope ‖ q_pe] · latent_s · scale),  o = W_UV Σ_s p_s ĉ_s,  times σ(gate) when given.
 // One pass over the latent: the positions are split into tasks of kSplit rows, each keeps a running softmax of every
 // head over its rows (scores and weighted sum of a block of kBlock rows while they are in L1), and the tasks' sums
-// are merged at the end (the softmax of the whole row, rescaled to its maximum).
-torch::Tensor mla_step(torch::Tensor q, torch::Tensor latent, int64_t S, torch::Tensor kv_b, int64_t N, int64_t Vh,
-                       c10::optional<torch::Tensor> gate, double scale) {
-  check({{&q, "q"}, {&latent, "the latent cache"}, {&kv_b, "kv_b_proj.weight"}});
+// are merged at the end (the softmax of the whole row, rescaled to its maximum). Returns [B, H·Vh] in q's dtype.
+torch::Tensor mla_step(const torch::Tensor &q_in, const torch::Tensor &latent, int64_t S, const torch::Tensor &kv_b,
+                       int64_t N, int64_t Vh, const c10::optional<torch::Tensor> &gate_in, double scale) {
+  check(latent, "the latent cache");
+  check(kv_b, "kv_b_proj.weight");
+  const auto q = floats(q_in);
   const int64_t B = latent.size(0), cap = latent.size(1), L = latent.size(2), H = kv_b.size(0) / (N + Vh),
                 C = kv_b.size(1), R = L - C;
   TORCH_CHECK(S >= 1 && S <= cap && q.numel() == B * H * (N + R) && kv_b.size(0) == H * (N + Vh),
               "decode kernel: MLA shapes disagree");
-  const float *g = nullptr;
-  if (gate) {
-    check(*gate, "the output gate");
-    TORCH_CHECK(gate->numel() == B * H * Vh, "decode kernel: the MLA output gate is not [B, H·Vh]");
-    g = gate->data_ptr<float>();
+  torch::Tensor gate;
+  if (gate_in) {
+    gate = floats(*gate_in);
+    TORCH_CHECK(gate.numel() == B * H * Vh, "decode kernel: the MLA output gate is not [B, H·Vh]");
   }
+  const float *g = gate_in ? gate.data_ptr<float>() : nullptr;
   auto out = torch::empty({B, H * Vh}, q.options());
-  const float *qp = q.data_ptr<float>(), *lp = latent.data_ptr<float>(), *wp = kv_b.data_ptr<float>();
+  const float *qp = q.data_ptr<float>();
   float *op = out.data_ptr<float>();
   const int64_t Hp = (H + kHeads - 1) / kHeads * kHeads;  // q_lat padded with zero heads to whole blocks
   std::vector<float> q_lat(B * Hp * L, 0.f);
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {  // the query in latent space: [W_UKᵀ q_nope ‖ q_pe]
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const float *qh = qp + bh * (N + R), *w_uk = wp + (bh % H) * (N + Vh) * C;
-      float *ql = q_lat.data() + ((bh / H) * Hp + bh % H) * L;
-      for (int64_t n = 0; n < N; ++n)
+  typed(kv_b, [&](const auto *wp) {
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {  // the query in latent space: [W_UKᵀ q_nope ‖ q_pe]
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const float *qh = qp + bh * (N + R);
+        const auto *w_uk = wp + (bh % H) * (N + Vh) * C;
+        float *ql = q_lat.data() + ((bh / H) * Hp + bh % H) * L;
+        for (int64_t n = 0; n < N; ++n)
 #pragma omp simd
-        for (int64_t c = 0; c < C; ++c) ql[c] += qh[n] * w_uk[n * C + c];
-      for (int64_t r = 0; r < R; ++r) ql[C + r] = qh[N + r];
-    }
+          for (int64_t c = 0; c < C; ++c) ql[c] += qh[n] * static_cast<float>(w_uk[n * C + c]);
+        for (int64_t r = 0; r < R; ++r) ql[C + r] = qh[N + r];
+      }
+    });
   });
   const int64_t splits = (S + kSplit - 1) / kSplit, tasks = B * splits;
   std::vector<float> max(tasks * Hp, -INFINITY), total(tasks * Hp, 0.f), o_task(tasks * Hp * C, 0.f);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / splits, first = (t % splits) * kSplit, last = std::min(S, first + kSplit);
-      RunningSoftmax run{Hp, C, max.data() + t * Hp, total.data() + t * Hp, o_task.data() + t * Hp * C};
-      for (int64_t s = first; s < last; s += kBlock)
-        run.take(q_lat.data() + b * Hp * L, lp + (b * cap + s) * L, L, std::min(kBlock, last - s),
-                 static_cast<float>(scale));
-    }
-  });
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {  // merge the tasks; o = W_UV o_lat, gated
-    std::vector<float> o_lat(C), o(Vh);
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      float top = -INFINITY, sum = 0.f;
-      for (int64_t t = b * splits; t < (b + 1) * splits; ++t) top = std::max(top, max[t * Hp + h]);
-      std::fill(o_lat.begin(), o_lat.end(), 0.f);
-      for (int64_t t = b * splits; t < (b + 1) * splits; ++t) {
-        const float w = std::exp(max[t * Hp + h] - top);
-        sum += w * total[t * Hp + h];
-        const float *ot = o_task.data() + (t * Hp + h) * C;
-        for (int64_t c = 0; c < C; ++c) o_lat[c] += w * ot[c];
+  typed(latent, [&](const auto *lp) {
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t b = t / splits, first = (t % splits) * kSplit, last = std::min(S, first + kSplit);
+        RunningSoftmax run{Hp, C, max.data() + t * Hp, total.data() + t * Hp, o_task.data() + t * Hp * C};
+        for (int64_t s = first; s < last; s += kBlock)
+          run.take(q_lat.data() + b * Hp * L, lp + (b * cap + s) * L, L, std::min(kBlock, last - s),
+                   static_cast<float>(scale));
       }
-      rows_dot(wp + (h * (N + Vh) + N) * C, Vh, C, o_lat.data(), o.data());
-      for (int64_t v = 0; v < Vh; ++v) op[bh * Vh + v] = g ? o[v] / sum * sigmoid(g[bh * Vh + v]) : o[v] / sum;
-    }
+    });
   });
-  return out;
+  typed(kv_b, [&](const auto *wp) {
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {  // merge the tasks; o = W_UV o_lat, gated
+      std::vector<float> o_lat(C), o(Vh);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / H, h = bh % H;
+        float top = -INFINITY, sum = 0.f;
+        for (int64_t t = b * splits; t < (b + 1) * splits; ++t) top = std::max(top, max[t * Hp + h]);
+        std::fill(o_lat.begin(), o_lat.end(), 0.f);
+        for (int64_t t = b * splits; t < (b + 1) * splits; ++t) {
+          const float w = std::exp(max[t * Hp + h] - top);
+          sum += w * total[t * Hp + h];
+          const float *ot = o_task.data() + (t * Hp + h) * C;
+          for (int64_t c = 0; c < C; ++c) o_lat[c] += w * ot[c];
+        }
+        rows_dot(wp + (h * (N + Vh) + N) * C, Vh, C, o_lat.data(), o.data());
+        for (int64_t v = 0; v < Vh; ++v) op[bh * Vh + v] = g ? o[v] / sum * sigmoid(g[bh * Vh + v]) : o[v] / sum;
+      }
+    });
+  });
+  return like(out, q_in);
 }
 
 // ---- A whole decoder layer of a one-token step (k3.model.fused_layer, docs/architecture.md §0.6) ----
@@ -385,13 +424,13 @@ torch::Tensor mla_step(torch::Tensor q, torch::Tensor latent, int64_t S, torch::
 class Weights {
  public:
   explicit Weights(py::dict tensors) : tensors_(std::move(tensors)) {}
-  // whether the kernel takes every tensor: fp32 on the CPU, no tensor subclass that dispatches in Python (a
-  // DTensor, say) — checked here, once per call, at a fraction of the cost of the same checks in Python
+  // whether the kernel takes every tensor: fp32 or bf16 (a bf16 model's weights, its §0.4 tensors fp32) on the
+  // CPU, no tensor subclass that dispatches in Python (a DTensor, say) — checked here, once per call, at a fraction
+  // of the cost of the same checks in Python
   bool served() const {
     for (const auto &item : tensors_) {
       const auto t = item.second.cast<torch::Tensor>();
-      if (t.scalar_type() != torch::kFloat || !t.device().is_cpu() ||
-          t.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python))
+      if (!k3::readable(t) || t.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python))
         return false;
     }
     return true;
@@ -455,11 +494,13 @@ torch::Tensor mla_mixer(const torch::Tensor &x, const Weights &w, const Options 
   const auto kv = p[1].view({B, L});
   const auto c = rms_norm(kv.narrow(1, 0, C).contiguous(), c_norm, o.lora_eps, true);
   const float *kvp = kv.data_ptr<float>(), *cp = c.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b) {
-    float *row = latent.data_ptr<float>() + (b * cap + start) * L;
-    std::copy(cp + b * C, cp + (b + 1) * C, row);
-    std::copy(kvp + b * L + C, kvp + (b + 1) * L, row + C);
-  }
+  typed(latent, [&](auto *lp) {  // in the cache's dtype: rounded once
+    for (int64_t b = 0; b < B; ++b) {
+      auto *row = lp + (b * cap + start) * L;
+      std::copy(cp + b * C, cp + (b + 1) * C, row);
+      std::copy(kvp + b * L + C, kvp + (b + 1) * L, row + C);
+    }
+  });
   const auto q = k3::linear(rms_norm(p[0], w("self_attn.q_a_layernorm.weight"), o.lora_eps, true),
                             w("self_attn.q_b_proj.weight"));
   const auto out = mla_step(q, latent, start + 1, w("self_attn.kv_b_proj.weight"), o.nope_dim, o.v_dim,
@@ -501,14 +542,17 @@ torch::Tensor moe(const torch::Tensor &x, const Weights &w, const Options &o) {
 // [B, 1, D] is the block's partial sum (the embedding before layer 0); a layer that starts a block banks it first
 // (the caller appends it to its bank). `cache`: [conv_state, state] (KDA) or [latent] (MLA), updated in place at
 // position `start`. Returns the new partial sum, or None (nothing done) where the kernel does not take the layer's
-// tensors (`Weights::served`).
-c10::optional<torch::Tensor> layer_step(std::vector<torch::Tensor> bank, torch::Tensor cur, bool starts_block,
-                                        py::dict tensors, py::dict options, std::vector<torch::Tensor> cache,
-                                        int64_t start) {
+// tensors (`Weights::served`). The activations are fp32 inside whatever the model's dtype: cur and the bank are
+// widened on entry and the new partial sum is rounded once to cur's dtype (a bf16 model's modules round after every
+// operation; the layer's inputs, outputs and caches keep their dtypes).
+c10::optional<torch::Tensor> layer_step(std::vector<torch::Tensor> bank, const torch::Tensor &cur_in,
+                                        bool starts_block, py::dict tensors, py::dict options,
+                                        std::vector<torch::Tensor> cache, int64_t start) {
   const Weights w(std::move(tensors));
   if (!w.served()) return c10::nullopt;
   const Options o(options);
-  cur = cur.contiguous();
+  const auto cur = floats(cur_in);
+  for (auto &source : bank) source = floats(source);
   bank.push_back(cur);
   const auto h = bank.size() == 1 ? cur
                                   : attn_res_mix(bank, w("self_attention_res_norm.weight"),
@@ -522,18 +566,18 @@ c10::optional<torch::Tensor> layer_step(std::vector<torch::Tensor> bank, torch::
   bank.push_back(prefix);
   const auto x2 = rms_norm(attn_res_mix(bank, w("mlp_res_norm.weight"), w("mlp_res_proj.weight"), o.eps),
                            w("post_attention_layernorm.weight"), o.eps, true);
-  if (!w.has("mlp.gate_proj.weight")) return prefix + moe(x2, w, o);
+  if (!w.has("mlp.gate_proj.weight")) return like(prefix + moe(x2, w, o), cur_in);
   const auto gu = k3::linears(x2, {w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")});
-  return prefix + mlp_down(gu[0], gu[1], w("mlp.down_proj.weight"), o.act);
+  return like(prefix + mlp_down(gu[0], gu[1], w("mlp.down_proj.weight"), o.act), cur_in);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMS or L2 normalisation of the rows, times an optional gain (fp32)");
-  m.def("attn_res_mix", &attn_res_mix, "the Block AttnRes softmax mix of same-shaped sources (fp32)");
-  m.def("kda_step", &kda_step, "one fused KDA decode step after the projections (fp32)");
-  m.def("moe_routed", &moe_routed, "router and routed experts of a MoE layer for a few tokens (fp32)");
-  m.def("mla_step", &mla_step, "one absorbed-MLA step over the latent cache (fp32)");
-  m.def("layer_step", &layer_step, "one decoder layer for one token per sequence (fp32)");
+  m.def("rms_norm", &rms_norm, "RMS or L2 normalisation of the rows, times an optional gain (fp32 or bf16)");
+  m.def("attn_res_mix", &attn_res_mix, "the Block AttnRes softmax mix of same-shaped sources (fp32 or bf16)");
+  m.def("kda_step", &kda_step, "one fused KDA decode step after the projections (fp32 or bf16)");
+  m.def("moe_routed", &moe_routed, "router and routed experts of a MoE layer for a few tokens (fp32 or bf16)");
+  m.def("mla_step", &mla_step, "one absorbed-MLA step over the latent cache (fp32 or bf16)");
+  m.def("layer_step", &layer_step, "one decoder layer for one token per sequence (fp32 or bf16)");
 }

@@ -13,29 +13,50 @@
 
 namespace k3 {
 
+// One vector of fp32 values from p: fp32 as stored, bf16 widened by a 16-bit shift (exact, so a bf16 weight's
+// products are the fp32 products of its values; ATen's conversion for the capability the kernel is built for)
+inline at::vec::Vectorized<float> load(const float *p) { return at::vec::Vectorized<float>::loadu(p); }
+inline at::vec::Vectorized<float> load(const c10::BFloat16 *p) {
+  at::vec::Vectorized<float> v;
+  at::vec::load_fp32_from_bf16(p, v);
+  return v;
+}
+
+// the first n ≤ Vectorized<float>::size() values of p, the other lanes 0
+inline at::vec::Vectorized<float> load(const float *p, int64_t n) { return at::vec::Vectorized<float>::loadu(p, n); }
+inline at::vec::Vectorized<float> load(const c10::BFloat16 *p, int64_t n) {
+  __at_align__ float v[at::vec::Vectorized<float>::size()] = {};
+  std::copy(p, p + n, v);
+  return at::vec::Vectorized<float>::loadu(v);
+}
+
 // Σ_j a[j] b[j] in fp32 over four vector accumulators: independent FMA chains, so a product of a few rows runs at
-// the speed memory streams a weight row, not at the latency of one chain (2–2.4× for weights in cache, measured).
-inline float dot(const float *a, const float *b, int64_t n) {
+// the speed memory streams a weight row, not at the latency of one chain (2–2.4× for weights in cache, measured);
+// b fp32 or bf16 (a weight row as stored)
+template <typename T>
+inline float dot(const float *a, const T *b, int64_t n) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t V = Vec::size();
   Vec s0(0.f), s1(0.f), s2(0.f), s3(0.f);
   int64_t j = 0;
   for (; j + 4 * V <= n; j += 4 * V) {
-    s0 = at::vec::fmadd(Vec::loadu(a + j), Vec::loadu(b + j), s0);
-    s1 = at::vec::fmadd(Vec::loadu(a + j + V), Vec::loadu(b + j + V), s1);
-    s2 = at::vec::fmadd(Vec::loadu(a + j + 2 * V), Vec::loadu(b + j + 2 * V), s2);
-    s3 = at::vec::fmadd(Vec::loadu(a + j + 3 * V), Vec::loadu(b + j + 3 * V), s3);
+    s0 = at::vec::fmadd(Vec::loadu(a + j), load(b + j), s0);
+    s1 = at::vec::fmadd(Vec::loadu(a + j + V), load(b + j + V), s1);
+    s2 = at::vec::fmadd(Vec::loadu(a + j + 2 * V), load(b + j + 2 * V), s2);
+    s3 = at::vec::fmadd(Vec::loadu(a + j + 3 * V), load(b + j + 3 * V), s3);
   }
-  for (; j + V <= n; j += V) s0 = at::vec::fmadd(Vec::loadu(a + j), Vec::loadu(b + j), s0);  // whole vectors left
+  for (; j + V <= n; j += V) s0 = at::vec::fmadd(Vec::loadu(a + j), load(b + j), s0);  // whole vectors left
   float acc = at::vec::vec_reduce_all<float>([](Vec &x, Vec &y) { return x + y; }, (s0 + s1) + (s2 + s3));
-  for (; j < n; ++j) acc += a[j] * b[j];
+  for (; j < n; ++j) acc = std::fma(a[j], static_cast<float>(b[j]), acc);  // (see rows_dot_block)
   return acc;
 }
 
-// y[k] = Σ_j w[k·in + j] x[j] for R consecutive rows of w, one vector accumulator each: each row's sum is taken in
-// the same order whatever R, so a row's value does not depend on how the rows were split into blocks
-template <int64_t R>
-inline void rows_dot_block(const float *w, int64_t in, const float *x, float *y) {
+// y[k] = Σ_j w[k·in + j] x[j] for R consecutive rows of w (fp32 or bf16), one vector accumulator each: each row's sum
+// is taken in the same order whatever R, so a row's value does not depend on how the rows were split into blocks.
+// A block prefetches the next one (the same place R rows on): the hardware follows one stream per 4 KiB page, and a
+// block of short rows has several in one page (k3-small's 512-wide bf16 rows streamed 1.6× faster, fp32 the same).
+template <int64_t R, typename T>
+inline void rows_dot_block(const T *w, int64_t in, const float *x, float *y) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t V = Vec::size();
   Vec s[R];
@@ -43,11 +64,16 @@ inline void rows_dot_block(const float *w, int64_t in, const float *x, float *y)
   int64_t j = 0;
   for (; j + V <= in; j += V) {
     const Vec xv = Vec::loadu(x + j);
-    for (int64_t k = 0; k < R; ++k) s[k] = at::vec::fmadd(Vec::loadu(w + k * in + j), xv, s[k]);
+    for (int64_t k = 0; k < R; ++k) {
+      if (R > 1) __builtin_prefetch(w + (R + k) * in + j);
+      s[k] = at::vec::fmadd(load(w + k * in + j), xv, s[k]);
+    }
   }
   for (int64_t k = 0; k < R; ++k) {
     float acc = at::vec::vec_reduce_all<float>([](Vec &a, Vec &b) { return a + b; }, s[k]);
-    for (int64_t t = j; t < in; ++t) acc += w[k * in + t] * x[t];
+    // an explicit fma: the compiler would vectorise the products of an fp32 tail of 8 or more and add them one by
+    // one, so the same sum would round differently for fp32 and bf16 weights
+    for (int64_t t = j; t < in; ++t) acc = std::fma(static_cast<float>(w[k * in + t]), x[t], acc);
     y[k] = acc;
   }
 }
@@ -57,7 +83,8 @@ constexpr int64_t kRowBlock = 8;  // weight rows read together by rows_dot (and 
 // y[r] = Σ_j W[r·in + j] x[j] for the `rows` consecutive rows of W (row stride `in`), kRowBlock rows at a time: eight
 // weight streams in flight instead of one (decoding is bound by the weight traffic; 1.04–1.5× the throughput of one
 // row after another on a 2-core Xeon, measured), the rest one by one
-inline void rows_dot(const float *W, int64_t rows, int64_t in, const float *x, float *y) {
+template <typename T>
+inline void rows_dot(const T *W, int64_t rows, int64_t in, const float *x, float *y) {
   int64_t r = 0;
   for (; r + kRowBlock <= rows; r += kRowBlock) rows_dot_block<kRowBlock>(W + r * in, in, x, y + r);
   for (; r < rows; ++r) rows_dot_block<1>(W + r * in, in, x, y + r);

@@ -3,9 +3,11 @@
 A one-token step multiplies one row (or one per sequence) by every weight it uses once; its time is the weights'
 memory traffic. PyTorch's matrix–vector path streams fp32 weights at 5–11 GB/s on the 2-core machine of
 docs/benchmarks.md; the kernel reads each weight row once and takes its dot products with every row of x while it
-is in cache, with the output rows split over the threads (15–21 GB/s). It serves fp32 CPU calls without autograd
-and with at most `MAX_ROWS` rows; every other call, and every call where the kernel could not be built, runs
-`F.linear` / `grouped_mm`, which are also the references the tests compare against.
+is in cache, with the output rows split over the threads (15–21 GB/s). It serves CPU calls without autograd and
+with at most `MAX_ROWS` rows whose input and weight are both fp32 or both bf16: bf16 weights are read as stored
+(half the bytes) and widened exactly, the sums are fp32, and a bf16 product is rounded once, as `F.linear`'s dtype
+contract has it. Every other call, and every call where the kernel could not be built, runs `F.linear` /
+`grouped_mm`, which are also the references the tests compare against.
 """
 # Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 # Here: N rows, I input width, O output width, A rows each with its own expert, E experts.
@@ -17,11 +19,14 @@ from torch import nn
 from k3.ops import compiled
 
 MAX_ROWS = compiled.MAX_ROWS  # up to here the kernel beats a matrix product (docs/benchmarks.md, Dec 2 late morning)
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads; input and weight of one dtype, as F.linear takes them
 
 
 def _applies(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
-    """A no-grad call with few rows and a contiguous weight that the kernel serves (`compiled.serves_few_rows`)."""
-    return w.is_contiguous() and compiled.serves_few_rows("matvec", rows, x, w)
+    """A no-grad call with few rows, x and a contiguous weight of one dtype that the kernel serves
+    (`compiled.serves_few_rows`)."""
+    return (x.dtype is w.dtype and w.is_contiguous()
+            and compiled.serves_few_rows("matvec", rows, x, w, dtypes=DTYPES))
 
 
 def linear(x_NI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 // Few-row products of decoding (k3/ops/matvec.py): the products of `matvec.h` for Python, and the products of
-// experts for rows sorted by expert. fp32 only.
+// experts for rows sorted by expert. fp32 or bf16 weights, fp32 sums, outputs in the input's dtype.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -10,13 +10,13 @@
 
 namespace {
 
-using k3::rows_dot;
 using k3::grain;
 
 // x [A, in] with its rows sorted by expert, counts[e] of them for expert e; W [E, out, in] -> y [A, out],
-// y[a, i] = Σ_j W[e(a), i, j] x[a, j] (grouped_mm's contract)
-torch::Tensor expert_linear(torch::Tensor x, torch::Tensor W, torch::Tensor counts) {
-  k3::check_product(x, W);
+// y[a, i] = Σ_j W[e(a), i, j] x[a, j] (grouped_mm's contract), in x's dtype
+torch::Tensor expert_linear(const torch::Tensor &x_in, const torch::Tensor &W, const torch::Tensor &counts) {
+  k3::check_product(x_in, W);
+  const auto x = k3::floats(x_in);
   const int64_t A = x.size(0), E = W.size(0), out = W.size(1), in = W.size(2);
   TORCH_CHECK(counts.scalar_type() == torch::kLong && counts.is_contiguous() && counts.numel() == E,
               "matvec kernel: one int64 row count per expert");
@@ -28,22 +28,24 @@ torch::Tensor expert_linear(torch::Tensor x, torch::Tensor W, torch::Tensor coun
     TORCH_CHECK(e < E - 1 || a == A, "matvec kernel: the counts do not add up to the rows");
   }
   auto y = torch::empty({A, out}, x.options());
-  const float *xp = x.data_ptr<float>(), *wp = W.data_ptr<float>();
+  const float *xp = x.data_ptr<float>();
   float *yp = y.data_ptr<float>();
-  at::parallel_for(0, A * out, grain(in), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin, n; r < end; r += n) {  // the part of [begin, end) in each row of x
-      const int64_t a = r / out;
-      n = std::min(end, (a + 1) * out) - r;
-      rows_dot(wp + (expert[a] * out + r % out) * in, n, in, xp + a * in, yp + r);
-    }
+  k3::typed(W, [&](const auto *wp) {
+    at::parallel_for(0, A * out, grain(in * W.element_size()), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin, n; r < end; r += n) {  // the part of [begin, end) in each row of x
+        const int64_t a = r / out;
+        n = std::min(end, (a + 1) * out) - r;
+        k3::rows_dot(wp + (expert[a] * out + r % out) * in, n, in, xp + a * in, yp + r);
+      }
+    });
   });
-  return y;
+  return k3::like(y, x_in);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &k3::linear, "x Wᵀ for a few rows of x (fp32)");
-  m.def("linears", &k3::linears, "x W_kᵀ for several weights W_k in one pass, a few rows of x (fp32)");
-  m.def("expert_linear", &expert_linear, "x[a] W[e(a)]ᵀ for rows sorted by expert (fp32)");
+  m.def("linear", &k3::linear, "x Wᵀ for a few rows of x (fp32 or bf16 weights)");
+  m.def("linears", &k3::linears, "x W_kᵀ for several weights W_k in one pass, a few rows of x (fp32 or bf16 weights)");
+  m.def("expert_linear", &expert_linear, "x[a] W[e(a)]ᵀ for rows sorted by expert (fp32 or bf16 weights)");
 }

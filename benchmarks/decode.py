@@ -19,12 +19,20 @@ preset past --prefill-budget seconds (projected from the last chunk, or reached 
 and reported as such. "CPU wait" is the share of wall time in which some task waited for a core
 (Linux PSI): well above 0 % means other processes were competing and the row's timings are inflated.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/decode.py [--quick] [--prefill-budget S] [--threads N]
+`--dtypes` measures instead k3-small's decode speed with fp32 and with bf16 weights side by side: the random-init
+model and its copy cast by `.to(torch.bfloat16)` (the §0.4 tensors stay fp32), both on 2 MiB pages as `k3 generate`
+loads them and without forward hooks (so each decoder layer is one compiled call), each with its own cache prefilled
+with the same prompt (DTYPE_CONTEXTS; --quick: the first). Rounds of DTYPE_STEPS greedy steps from the same cache
+state alternate between the two, who goes first alternating; tokens/s are medians over the rounds, the ratio the
+median (and range) of the per-round ratios.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/decode.py [--quick] [--prefill-budget S] [--threads N] [--dtypes]
 """
 # Shape suffixes: B batch, T time, N decode steps, V vocabulary.
 
 import argparse
 import contextlib
+import copy
 import os
 import statistics
 import time
@@ -35,6 +43,7 @@ from k3.config import K3Config
 from k3.model.cache import K3Cache, KDACache
 from k3.model.accounting import cache_sizes
 from k3.model.k3 import K3ForCausalLM
+from k3.runtime import huge_page_weights
 from common import CpuWait, allocator, machine, print_table
 
 PRESETS = ("k3-tiny", "k3-small")
@@ -46,6 +55,7 @@ MLA_DECODE_MODES = ("absorbed", "expanded")
 DECODE_STEPS = 16  # timed one-token steps per mode and context, after one warm-up step
 APPEND_TOKENS, APPEND_STEPS = 16, 4  # short multi-token calls (a chat turn, a verified draft) per mode and context
 PREFILL_BUDGET_S = 180.0  # per preset, cumulative
+DTYPE_PRESET, DTYPE_CONTEXTS, DTYPE_STEPS, DTYPE_ROUNDS = "k3-small", (512, 8192), 32, 6  # --dtypes (quick: 3 rounds)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -180,6 +190,56 @@ def no_cache_forward(model, ids_BT, context):
     return statistics.median(times), logits_BTV[0, -1]
 
 
+def greedy_steps(model, cache, first_B, steps):
+    """`steps` greedy one-token steps from the cache's current state: (seconds, the tokens chosen [B, steps])."""
+    tokens, next_B = [], first_B
+    start = time.perf_counter()
+    for _ in range(steps):
+        next_B = model(next_B[:, None], cache=cache, validate=False).logits[:, -1].argmax(-1)
+        tokens.append(next_B)
+    return time.perf_counter() - start, torch.stack(tokens, 1)
+
+
+def spread(values, fmt: str) -> str:
+    """'median (min–max)'."""
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}–{max(values):{fmt}})"
+
+
+@torch.no_grad()
+def bench_dtypes(contexts, rounds):
+    """k3-small decode tokens/s with fp32 and with bf16 weights, alternating rounds at each context: table rows."""
+    torch.manual_seed(0)
+    config = K3Config.from_preset(DTYPE_PRESET)
+    models = {"fp32": K3ForCausalLM(config).eval()}
+    models["bf16"] = copy.deepcopy(models["fp32"]).to(torch.bfloat16)  # KeepFP32 keeps the §0.4 tensors fp32
+    huge = all([huge_page_weights(m) for m in models.values()])
+    ids_BT = torch.randint(0, config.vocab_size, (1, max(contexts) + 1), generator=torch.Generator().manual_seed(1))
+    caches = {d: m.make_cache(1, capacity=max(contexts) + DTYPE_STEPS + 8) for d, m in models.items()}
+    print(f"{DTYPE_PRESET}: {sum(p.numel() for p in models['fp32'].parameters()) / 1e6:.1f} M parameters; weights "
+          f"{'on 2 MiB pages' if huge else 'on 4 KiB pages (huge pages unavailable)'}", flush=True)
+    rows = []
+    for context in contexts:
+        starts = {}
+        for d, m in models.items():  # both caches to `context` (prefill chunks, not measured)
+            while caches[d].length < context:
+                m(ids_BT[:, caches[d].length: min(context, caches[d].length + PREFILL_CHUNK)], cache=caches[d])
+            starts[d] = snapshot(caches[d])
+        first_B, wait = ids_BT[:, context], CpuWait()
+        speed, tokens = {d: [] for d in models}, {}
+        for r in range(rounds + 1):  # round 0 warms both up
+            for d in (list(models) if r % 2 else list(models)[::-1]):
+                restore(caches[d], starts[d])
+                seconds, tokens[d] = greedy_steps(models[d], caches[d], first_B, DTYPE_STEPS)
+                if r:
+                    speed[d].append(DTYPE_STEPS / seconds)
+        ratios = [b / f for b, f in zip(speed["bf16"], speed["fp32"])]
+        same = int((tokens["bf16"] == tokens["fp32"]).cumprod(1).sum())  # greedy tokens equal until the first change
+        rows.append([DTYPE_PRESET, context, spread(speed["fp32"], ".1f"), spread(speed["bf16"], ".1f"),
+                     spread(ratios, ".2f"), f"{same} / {DTYPE_STEPS}", str(wait)])
+        print(f"  {DTYPE_PRESET} @ {context}: done", flush=True)
+    return rows
+
+
 # --------------------------------------------------------------------------------------------- benchmark
 @torch.no_grad()
 def bench_preset(name, contexts, budget_s):
@@ -249,9 +309,13 @@ def main():
     parser.add_argument("--prefill-budget", type=float, default=PREFILL_BUDGET_S,
                         help=f"seconds of prefill per preset (default {PREFILL_BUDGET_S:.0f})")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--dtypes", action="store_true",
+                        help=f"only {DTYPE_PRESET}'s decode tokens/s with fp32 and bf16 weights, side by side")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.dtypes:
+        return main_dtypes(args.quick)
     contexts = QUICK_CONTEXTS if args.quick else CONTEXTS
 
     start, cpu_wait = time.perf_counter(), CpuWait()
@@ -289,6 +353,22 @@ def main():
     print(f"Total runtime: {time.perf_counter() - start:.0f} s; load average at end: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; CPU wait over the run: {cpu_wait} (PSI; "
           f"well above 0 % means other processes competed for the cores)")
+
+
+def main_dtypes(quick: bool):
+    start, cpu_wait = time.perf_counter(), CpuWait()
+    contexts, rounds = (DTYPE_CONTEXTS[:1], 3) if quick else (DTYPE_CONTEXTS, DTYPE_ROUNDS)
+    print(f"Machine: {machine()}")
+    print(f"Allocator: {allocator()}")
+    print(f"B=1, no_grad, random init; {rounds} rounds of {DTYPE_STEPS} greedy decode steps per dtype and context, "
+          f"alternating\n", flush=True)
+    rows = bench_dtypes(contexts, rounds)
+    print()
+    print("Decode tokens/s, fp32 against bf16 weights (median over the rounds, range in brackets; bf16/fp32: the "
+          "per-round ratios); greedy tokens: bf16's equal to fp32's until the first difference")
+    print_table(["preset", "context", "fp32 tok/s", "bf16 tok/s", "bf16/fp32", "greedy tokens equal", "CPU wait"],
+                rows, "lrrrrrr")
+    print(f"Total runtime: {time.perf_counter() - start:.0f} s; CPU wait over the run: {cpu_wait} (PSI)")
 
 
 if __name__ == "__main__":

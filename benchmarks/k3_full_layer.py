@@ -77,9 +77,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(REPO / "runs" / "k3-full-2"))
     parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["bandwidth", "model"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
+    if args.child == "bandwidth":
+        return print(copy_bandwidth())
+    if args.child == "model":
         return child(args.model, args.tokens)
     print(machine())
     wait = CpuWait()
@@ -89,10 +91,12 @@ def main() -> None:
                         "--vocab", "32768", "--experts", "mxfp4"], check=True)
         print(f"k3 init: {time.perf_counter() - start:.0f} s")
     disk = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
-    bandwidth = copy_bandwidth()
-    result = json.loads(subprocess.run([sys.executable, __file__, "--child", "--model", args.model, "--tokens",
-                                        str(args.tokens)], check=True, capture_output=True, text=True,
-                                       cwd=Path(__file__).parent).stdout.strip().splitlines()[-1])
+    def run_child(*options: str) -> str:  # each measurement in its own process: the model needs the memory
+        return subprocess.run([sys.executable, __file__, *options], check=True, capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip().splitlines()[-1]
+
+    bandwidth = float(run_child("--child", "bandwidth"))
+    result = json.loads(run_child("--child", "model", "--model", args.model, "--tokens", str(args.tokens)))
     tok_s = result["tokens"] / result["decode_s"]
     roofline = result["step_bytes"] * tok_s / bandwidth
     rows = [["weights on disk", f"{disk / 1e9:.2f} GB"],

@@ -25,7 +25,7 @@ from typing import Protocol, Union
 import torch
 from torch import Tensor
 
-from k3.ops.mxfp4 import GROUP_SIZE, check_mxfp4_pair, decode_mxfp4, encode_mxfp4
+from k3.ops.mxfp4 import GROUP_SIZE, MXFP4Weight, check_mxfp4_pair, decode_mxfp4, encode_mxfp4
 from k3.config import summarize
 from k3.ops.precision import is_fp32_tensor
 
@@ -254,9 +254,9 @@ def convert_experts(state_dict: Mapping[str, Tensor], experts: str) -> dict[str,
     for name, tensor in state_dict.items():
         packed = _PACKED_EXPERTS.fullmatch(name)
         if experts == "mxfp4" and _STACKED_EXPERTS.fullmatch(name):
-            pairs = [encode_mxfp4(matrix) for matrix in tensor.detach()]
-            converted[f"{name}.weight_packed"] = torch.stack([p for p, _ in pairs])
-            converted[f"{name}.weight_scale"] = torch.stack([s for _, s in pairs])
+            weight = MXFP4Weight(*tensor.shape).quantize_(tensor)
+            converted[f"{name}.weight_packed"], converted[f"{name}.weight_scale"] = weight.weight_packed, \
+                weight.weight_scale
         elif experts == "dense" and packed:
             if packed[2] == "packed":
                 converted[packed[1]] = decode_mxfp4(tensor, state_dict[f"{packed[1]}.weight_scale"],

@@ -151,10 +151,6 @@ class MXFP4Weight(nn.Module):
     def extra_repr(self) -> str:
         return f"experts={self.shape[0]}, out_features={self.shape[1]}, in_features={self.in_features}, format=mxfp4"
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """All experts decoded, [E, out, in] (tests, and conversion to dense weights)."""
-        return decode_mxfp4(self.weight_packed, self.weight_scale, dtype)
-
     @torch.no_grad()
     def quantize_(self, dense_EOI: Tensor) -> "MXFP4Weight":
         """Encode ``dense_EOI`` into the buffers one expert at a time (working memory: one expert)."""

@@ -213,11 +213,10 @@ def _plan_packed_experts(matcher: _Matcher, stacked_name: str, shape: tuple[int,
 
     def load(part: int) -> Tensor:
         if not built:  # the first of the two loads fills both, one expert at a time
-            first_packed, first_scale = experts[0]()
-            pair = (torch.empty((len(experts), *first_packed.shape), dtype=torch.uint8),
-                    torch.empty((len(experts), *first_scale.shape), dtype=torch.uint8))
+            pair = tuple(torch.empty(len(experts), out_features, in_features // per_byte, dtype=torch.uint8)
+                         for per_byte in (2, GROUP_SIZE))
             for e, load_expert in enumerate(experts):
-                pair[0][e], pair[1][e] = (first_packed, first_scale) if e == 0 else load_expert()
+                pair[0][e], pair[1][e] = load_expert()
             built.append(pair)
         return built[0][part]
 

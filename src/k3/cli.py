@@ -632,7 +632,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="every other tensor (the fp32 set of §0.4 stays fp32)")
     p.add_argument("--seed", type=_seed, default=0)
-    p.add_argument("--max-shard-gib", type=_finite(0), default=1.0, help="largest safetensors file (GiB)")
+    p.add_argument("--max-shard-gib", type=_finite(0), default=0.5,
+                   help="largest safetensors file (GiB; saving holds about two of them beside the model)")
     p.add_argument("--override", action="append", metavar="FIELD=VALUE",
                    help="K3Config field of the preset (VALUE in JSON; repeatable)")
     p.set_defaults(func=cmd_init)

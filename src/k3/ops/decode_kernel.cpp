@@ -33,21 +33,25 @@ using k3::typed;
 using k3::inverse_norm;
 
 // RMSNorm / L2 normalisation over the last axis (k3.ops.norm): y = x / sqrt(mean(x²) + ε) (`mean`) or
-// x / sqrt(Σ x² + ε), times `weight` [C] when given; in x's dtype with a weight (RMSNorm), fp32 without (the plain
-// norms' contract)
+// x / sqrt(Σ x² + ε), times `weight` [C] when given (read as stored); in x's dtype with a weight (RMSNorm), fp32
+// without (the plain norms' contract)
 torch::Tensor rms_norm(const torch::Tensor &x_in, const c10::optional<torch::Tensor> &weight, double eps, bool mean) {
   const auto x = floats(x_in);
   const int64_t C = x.size(-1), N = x.numel() / C;
-  torch::Tensor w;
-  if (weight) {
-    w = floats(*weight);
-    TORCH_CHECK(w.numel() == C, "decode kernel: the norm weight has ", w.numel(), " entries, x rows ", C);
-  }
+  TORCH_CHECK(!weight || weight->numel() == C, "decode kernel: the norm weight has ", weight->numel(),
+              " entries, x rows ", C);
   auto y = torch::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *wp = weight ? w.data_ptr<float>() : nullptr;
+  const float *xp = x.data_ptr<float>();
   float *yp = y.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n) k3::normalize_row(xp + n * C, wp, yp + n * C, C, mean ? C : 1, eps);
-  return weight ? like(y, x_in) : y;
+  const auto rows = [&](const auto *w) {
+    for (int64_t n = 0; n < N; ++n) k3::normalize_row(xp + n * C, w, yp + n * C, C, mean ? C : 1, eps);
+  };
+  if (!weight) {
+    rows(static_cast<const float *>(nullptr));
+    return y;
+  }
+  typed(*weight, rows);
+  return like(y, x_in);
 }
 
 // Block AttnRes mix (k3.model.attn_res): per row, p = softmax_s((V_s·q) / sqrt(mean(V_s²) + ε)) with the
@@ -61,13 +65,16 @@ torch::Tensor attn_res_mix(const std::vector<torch::Tensor> &sources_in, const t
     sources.push_back(floats(s));
     TORCH_CHECK(s.sizes() == sources_in[0].sizes(), "decode kernel: the sources differ in shape");
   }
-  const auto gamma = floats(gamma_in), w = floats(w_in);
   const int64_t D = sources[0].size(-1), N = sources[0].numel() / D, S = sources.size();
-  TORCH_CHECK(gamma.numel() == D && w.numel() == D, "decode kernel: gain and pseudo-query must have ", D, " entries");
+  TORCH_CHECK(gamma_in.numel() == D && w_in.numel() == D, "decode kernel: gain and pseudo-query must have ", D,
+              " entries");
   std::vector<float> q(D), p(S), r(S);
   std::vector<const float *> V(S);
-  const float *gp = gamma.data_ptr<float>(), *wp = w.data_ptr<float>();
-  for (int64_t d = 0; d < D; ++d) q[d] = gp[d] * wp[d];
+  typed(gamma_in, [&](const auto *g) {  // as stored
+    typed(w_in, [&](const auto *w) {
+      for (int64_t d = 0; d < D; ++d) q[d] = static_cast<float>(g[d]) * static_cast<float>(w[d]);
+    });
+  });
   auto y = torch::empty_like(sources[0]);
   float *yp = y.data_ptr<float>();
   for (int64_t n = 0; n < N; ++n) {

@@ -113,10 +113,11 @@ inline float inverse_norm(const float *x, int64_t width, float n, double eps) {
 }
 
 // one row of RMSNorm / L2 normalisation (k3.ops.norm): y = x r, times w where given (w ⊙ (x r), the torch ops'
-// order), r = inverse_norm(x); returns r
-inline float normalize_row(const float *x, const float *w, float *y, int64_t width, float n, double eps) {
+// order; w fp32 or bf16), r = inverse_norm(x); returns r
+template <typename W>
+inline float normalize_row(const float *x, const W *w, float *y, int64_t width, float n, double eps) {
   const float r = inverse_norm(x, width, n, eps);
-  for (int64_t c = 0; c < width; ++c) y[c] = w ? w[c] * (x[c] * r) : x[c] * r;
+  for (int64_t c = 0; c < width; ++c) y[c] = w ? static_cast<float>(w[c]) * (x[c] * r) : x[c] * r;
   return r;
 }
 

@@ -24,13 +24,15 @@ model and its copy cast by `.to(torch.bfloat16)` (the §0.4 tensors stay fp32), 
 loads them and without forward hooks (so each decoder layer is one compiled call), each with its own cache prefilled
 with the same prompt (DTYPE_CONTEXTS; --quick: the first). Rounds of DTYPE_STEPS greedy steps from the same cache
 state alternate between the two, who goes first alternating; tokens/s are medians over the rounds, the ratio the
-median (and range) of the per-round ratios.
+median (and range) of the per-round ratios. One more round per dtype, with timers around each decoder layer's
+compiled call and `lm_head`, splits a token's time.
 
     PYTHONPATH=src .venv/bin/python benchmarks/decode.py [--quick] [--prefill-budget S] [--threads N] [--dtypes]
 """
 # Shape suffixes: B batch, T time, N decode steps, V vocabulary.
 
 import argparse
+import collections
 import contextlib
 import copy
 import os
@@ -42,6 +44,7 @@ import torch
 from k3.config import K3Config
 from k3.model.cache import K3Cache, KDACache
 from k3.model.accounting import cache_sizes
+from k3.model import fused_layer
 from k3.model.k3 import K3ForCausalLM
 from k3.runtime import huge_page_weights
 from common import CpuWait, allocator, machine, print_table
@@ -200,6 +203,32 @@ def greedy_steps(model, cache, first_B, steps):
     return time.perf_counter() - start, torch.stack(tokens, 1)
 
 
+@contextlib.contextmanager
+def token_split(model):
+    """Seconds spent, while inside the block, in the KDA and in the MLA decoder layers' compiled calls
+    (`fused_layer._run`) and in `lm_head`: a dict filled in as the block runs."""
+    seconds, run, forward = collections.defaultdict(float), fused_layer._run, model.lm_head.forward
+
+    def timed_run(layer, *args):
+        start = time.perf_counter()
+        out = run(layer, *args)
+        seconds["KDA layers" if layer.is_kda else "MLA layers"] += time.perf_counter() - start
+        return out
+
+    def timed_lm_head(x):
+        start = time.perf_counter()
+        y = forward(x)
+        seconds["lm_head"] += time.perf_counter() - start
+        return y
+
+    fused_layer._run, model.lm_head.forward = timed_run, timed_lm_head
+    try:
+        yield seconds
+    finally:
+        fused_layer._run = run
+        del model.lm_head.forward
+
+
 def spread(values, fmt: str) -> str:
     """'median (min–max)'."""
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}–{max(values):{fmt}})"
@@ -207,7 +236,8 @@ def spread(values, fmt: str) -> str:
 
 @torch.no_grad()
 def bench_dtypes(contexts, rounds):
-    """k3-small decode tokens/s with fp32 and with bf16 weights, alternating rounds at each context: table rows."""
+    """k3-small decode tokens/s with fp32 and with bf16 weights, alternating rounds at each context, and the split of
+    a token's time: (rows of both tables)."""
     torch.manual_seed(0)
     config = K3Config.from_preset(DTYPE_PRESET)
     models = {"fp32": K3ForCausalLM(config).eval()}
@@ -217,7 +247,7 @@ def bench_dtypes(contexts, rounds):
     caches = {d: m.make_cache(1, capacity=max(contexts) + DTYPE_STEPS + 8) for d, m in models.items()}
     print(f"{DTYPE_PRESET}: {sum(p.numel() for p in models['fp32'].parameters()) / 1e6:.1f} M parameters; weights "
           f"{'on 2 MiB pages' if huge else 'on 4 KiB pages (huge pages unavailable)'}", flush=True)
-    rows = []
+    rows, split_rows = [], []
     for context in contexts:
         starts = {}
         for d, m in models.items():  # both caches to `context` (prefill chunks, not measured)
@@ -232,12 +262,20 @@ def bench_dtypes(contexts, rounds):
                 seconds, tokens[d] = greedy_steps(models[d], caches[d], first_B, DTYPE_STEPS)
                 if r:
                     speed[d].append(DTYPE_STEPS / seconds)
+        for d in models:  # the split, one more round each
+            restore(caches[d], starts[d])
+            with token_split(models[d]) as seconds:
+                total, _ = greedy_steps(models[d], caches[d], first_B, DTYPE_STEPS)
+            ms = {part: 1e3 * s / DTYPE_STEPS for part, s in seconds.items()}
+            split_rows.append([DTYPE_PRESET, context, d, f"{1e3 * total / DTYPE_STEPS:.2f}",
+                               *(f"{ms.get(part, 0.0):.2f}" for part in ("lm_head", "KDA layers", "MLA layers")),
+                               f"{1e3 * total / DTYPE_STEPS - sum(ms.values()):.2f}"])
         ratios = [b / f for b, f in zip(speed["bf16"], speed["fp32"])]
         same = int((tokens["bf16"] == tokens["fp32"]).cumprod(1).sum())  # greedy tokens equal until the first change
         rows.append([DTYPE_PRESET, context, spread(speed["fp32"], ".1f"), spread(speed["bf16"], ".1f"),
                      spread(ratios, ".2f"), f"{same} / {DTYPE_STEPS}", str(wait)])
         print(f"  {DTYPE_PRESET} @ {context}: done", flush=True)
-    return rows
+    return rows, split_rows
 
 
 # --------------------------------------------------------------------------------------------- benchmark
@@ -362,12 +400,16 @@ def main_dtypes(quick: bool):
     print(f"Allocator: {allocator()}")
     print(f"B=1, no_grad, random init; {rounds} rounds of {DTYPE_STEPS} greedy decode steps per dtype and context, "
           f"alternating\n", flush=True)
-    rows = bench_dtypes(contexts, rounds)
+    rows, split_rows = bench_dtypes(contexts, rounds)
     print()
     print("Decode tokens/s, fp32 against bf16 weights (median over the rounds, range in brackets; bf16/fp32: the "
           "per-round ratios); greedy tokens: bf16's equal to fp32's until the first difference")
     print_table(["preset", "context", "fp32 tok/s", "bf16 tok/s", "bf16/fp32", "greedy tokens equal", "CPU wait"],
                 rows, "lrrrrrr")
+    print("Where a token's time goes, ms (one more round per dtype, timers around each decoder layer's compiled call "
+          "and lm_head; rest: embedding, output mix and norm, the stack's checks, Python)")
+    print_table(["preset", "context", "weights", "token", "lm_head", "KDA layers", "MLA layers", "rest"], split_rows,
+                "lrlrrrrr")
     print(f"Total runtime: {time.perf_counter() - start:.0f} s; CPU wait over the run: {cpu_wait} (PSI)")
 
 

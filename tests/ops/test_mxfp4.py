@@ -220,3 +220,41 @@ def test_compiled_encoder_equals_the_reference():
     assert torch.equal(packed, reference[0]) and torch.equal(scale, reference[1])
     with pytest.raises(ValueError, match="inf or NaN"):
         encode_mxfp4(torch.full((2, 32), float("nan")))
+
+
+PORTABLE_PATHS = """
+import torch
+from k3.ops import compiled, mxfp4
+assert torch.backends.cpu.get_cpu_capability() == {capability!r}, torch.backends.cpu.get_cpu_capability()
+assert compiled.load("mxfp4") is not None
+generator = torch.Generator().manual_seed(0)
+weight = mxfp4.MXFP4Weight(5, 19, 96)
+weight.weight_packed.copy_(torch.randint(0, 256, weight.weight_packed.shape, generator=generator))
+weight.weight_scale.copy_(torch.randint(120, 134, weight.weight_scale.shape, generator=generator))
+counts = torch.tensor([3, 0, 1, 7, 2])
+x = torch.randn(13, 96, generator=generator)
+with torch.no_grad():
+    y = compiled.load("mxfp4").expert_linear(x, weight.weight_packed, weight.weight_scale, counts)
+reference = mxfp4.expert_linear_reference(x, weight, counts)
+assert ((y - reference).abs().max() / reference.abs().max()).item() < 1e-6
+dense = torch.randn(8, 64, generator=generator) * torch.logspace(-30, 30, 8, base=2.0).unsqueeze(1)
+packed, scale = mxfp4.encode_mxfp4(dense)
+expected = mxfp4.encode_mxfp4_reference(dense)
+assert torch.equal(packed, expected[0]) and torch.equal(scale, expected[1])
+print("ok")
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
+def test_the_avx2_and_portable_kernels_equal_the_reference(capability):
+    """The kernel built for another CPU capability (PyTorch's dispatch limited with ATEN_CPU_CAPABILITY: AVX2's
+    8-entry permute with the sign bit, or the portable scalar loop) gives the reference's products and bytes."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower()}
+    result = subprocess.run([sys.executable, "-c", PORTABLE_PATHS.format(capability=capability)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]

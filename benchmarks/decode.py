@@ -58,7 +58,7 @@ MLA_DECODE_MODES = ("absorbed", "expanded")
 DECODE_STEPS = 16  # timed one-token steps per mode and context, after one warm-up step
 APPEND_TOKENS, APPEND_STEPS = 16, 4  # short multi-token calls (a chat turn, a verified draft) per mode and context
 PREFILL_BUDGET_S = 180.0  # per preset, cumulative
-DTYPE_PRESET, DTYPE_CONTEXTS, DTYPE_STEPS, DTYPE_ROUNDS = "k3-small", (512, 8192), 32, 6  # --dtypes (quick: 3 rounds)
+DTYPE_PRESET, DTYPE_CONTEXTS, DTYPE_STEPS, DTYPE_ROUNDS = "k3-small", (512, 8192), 32, 10  # --dtypes (quick: 3 rounds)
 
 
 # ------------------------------------------------------------------------------------------------ helpers

@@ -1,4 +1,5 @@
-"""Peer benchmark: k3 against llama.cpp's `kimi-k3` model on the CPU, same checkpoint, same thread count.
+"""Peer benchmark: k3 against llama.cpp's `kimi-k3` model on the CPU, same checkpoint, same thread count, at
+matched weight formats.
 
 One k3 model directory (`save_pretrained` layout; default: a random-init k3-small, 226 M parameters, saved to a
 temporary directory with a small BPE trained on docs/) is converted to GGUF by llama.cpp's own
@@ -7,29 +8,39 @@ temporary directory with a small BPE trained on docs/) is converted to GGUF by l
 hashing a test string's ids, which a self-trained tiktoken vocabulary cannot match, so the wrapper writes the
 vocabulary itself the way the converter does for Kimi K2 (gpt2-style byte-level tokens and merges from the
 tiktoken ranks, pre-tokenizer `kimi-k2`, special slots as control tokens, unused ids as `[PAD<id>]`). Nothing else
-is changed: the hyperparameters are the saved config.json's (its `max_position_embeddings` becomes
-`kimi-k3.context_length`, which llama.cpp requires).
+is changed: the hyperparameters are the saved config.json's.
+
+Formats (--formats), each a pair of the same weights in one form on both sides:
+
+* f32: k3 fp32 against GGUF F32;
+* bf16: k3 bf16 (the model loaded with `dtype=torch.bfloat16`; the §0.4 tensors stay fp32) against GGUF BF16;
+* f16: the same k3 bf16 model against GGUF F16 (k3 has no fp16 kernels; fp16 and bf16 weights are the same bytes);
+* mxfp4: k3 with its routed experts packed in MXFP4 (`from_pretrained(..., experts="mxfp4")`, bf16 elsewhere)
+  against the F32 GGUF quantised by `llama-quantize --tensor-type _exps=mxfp4 --tensor-type .=bf16 ... Q8_0`:
+  MXFP4 routed experts, BF16 everywhere else (the override keeps no tensor at the Q8_0 base type).
+
+Each k3 form runs in a process of its own (so its peak RSS is its own); llama.cpp runs as `llama-bench`, whose
+peak RSS is read from the kernel when it exits (wait4). Both peaks include the caches of the deepest context.
 
 Before timing, the last-position logits of a few short prompts (tokenised by llama.cpp, `llama-debug
---save-logits`) are compared with k3's on the same ids: top-1 agreement and max |Δ| (when llama-debug is built).
-A random-init model's sigmoid router scores lie close together, so a prompt whose 4th and 5th expert scores differ
-by ~1e-6 can route differently in the two implementations (seen with k3-small: 3e-4 otherwise, ~1 then).
+--save-logits`) are compared with k3's on the same ids, per format: top-1 agreement and max |Δ|. A random-init
+model's sigmoid router scores lie close together, so a prompt whose 4th and 5th expert scores differ by ~1e-6 can
+route differently in the two implementations (one flipped choice shows as a Δ near the logit scale).
 
 At each context depth d (--contexts, tokens already in the cache), in R rounds that alternate the two programs
 (the machine's speed drifts by tens of percent over minutes; alternating lets a drift reach both alike):
 
 * llama.cpp: `llama-bench -p P -n N -d d -t T -r 1 -o json` (pp: P tokens in one batch on top of d; tg: N tokens
-  decoded one by one on top of d; its own warm-up run first);
-* k3 (weights on 2 MiB pages, `k3.runtime.huge_page_weights`, as `k3 generate` loads them; `--small-pages`: not):
-  the cache is filled to d once in chunks (decode.py's `Prefill`) and warmed up by one repetition; each round
-  puts the cache back and runs P tokens in one call, then N greedy one-token decode steps as `generate` does.
-  fp32, B=1, no_grad, torch with T threads.
+  decoded one by one on top of d; its own warm-up run first; weight repacking on, llama-bench's default, except
+  for F16, where it aborts as llama-debug does below);
+* k3 (weights on 2 MiB pages, `k3.runtime.huge_page_weights`, as `k3 generate` loads them): the cache is filled to
+  d once in chunks (decode.py's `Prefill`) and warmed up by one repetition; each round puts the cache back and
+  runs P tokens in one call, then N greedy one-token decode steps as `generate` does. B=1, no_grad, T threads.
 
-Reported: the medians over the rounds (--rounds, default 5) of each side's tok/s, and ratio = the median (and the
-range) of the per-round k3 / llama.cpp, each round's pair measured back to back at one context, llama.cpp first in
-even rounds and k3 first in odd ones
-(above 1: k3 faster). "CPU wait" is the share of wall time in which some task waited for a core (Linux PSI); well
-above 0 % means other processes competed and the numbers are inflated.
+Reported per format and context: the medians over the rounds of each side's tok/s, and ratio = the median (and the
+range) of the per-round k3 / llama.cpp, each round's pair measured back to back, llama.cpp first in even rounds and
+k3 first in odd ones (above 1: k3 faster). "CPU wait" is the share of wall time in which some task waited for a
+core (Linux PSI); well above 0 % means other processes competed and the numbers are inflated.
 
 Reproduce (llama.cpp as vendored by llama-cpp-python 0.3.36; the converter needs transformers 4.57.6,
 pyyaml 6.0.3, huggingface-hub 0.36.0, tokenizers 0.22.1 beside the venv's torch/numpy/safetensors):
@@ -37,18 +48,20 @@ pyyaml 6.0.3, huggingface-hub 0.36.0, tokenizers 0.22.1 beside the venv's torch/
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36   # the sdist; unpack it in /tmp/llcpp
     cmake -S /tmp/llcpp/llama_cpp_python-0.3.36/vendor/llama.cpp -B /tmp/llcpp/build -G Ninja \\
         -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
-    cmake --build /tmp/llcpp/build -j2 --target llama-bench llama-debug
+    cmake --build /tmp/llcpp/build -j2 --target llama-bench llama-debug llama-quantize
     pip install --target /tmp/llcpp/pydeps --no-deps transformers==4.57.6 pyyaml==6.0.3 huggingface-hub==0.36.0 \\
         tokenizers==0.22.1 filelock==3.20.0 packaging==25.0 fsspec==2025.10.0 typing-extensions==4.15.0
-    PYTHONPATH=src .venv/bin/python benchmarks/peer_llama_cpp.py [--llama-cpp BUILD] [--model DIR] [--contexts 512 8192]
-        [--quick] [--outtype f32|f16|q8_0]     # f16/q8_0 run llama-bench with --repack 0
+    PYTHONPATH=src .venv/bin/python benchmarks/peer_llama_cpp.py [--llama-cpp BUILD] [--model DIR]
+        [--formats f32 bf16 f16 mxfp4] [--contexts 512 8192] [--rounds 3] [--quick]
 """
 
 import argparse
 import base64
+import dataclasses
 import json
 import math
 import os
+import resource
 import runpy
 import statistics
 import subprocess
@@ -134,42 +147,80 @@ def gguf_for(model_dir: Path, outtype: str, src: str, pydeps: str) -> Path:
     return out
 
 
+def mxfp4_gguf(f32_gguf: Path, bin_dir: Path) -> Path:
+    """The F32 GGUF with MXFP4 routed experts and BF16 elsewhere (llama-quantize), cached beside it."""
+    out = f32_gguf.with_name("ggml-model-mxfp4-experts-bf16.gguf")
+    if out.is_file() and out.stat().st_mtime > f32_gguf.stat().st_mtime:
+        return out
+    print(f"Quantising {f32_gguf.name} to {out.name} ...", flush=True)
+    run = subprocess.run([bin_dir / "llama-quantize", "--tensor-type", "_exps=mxfp4", "--tensor-type", ".=bf16",
+                          f32_gguf, out, "Q8_0"], capture_output=True, text=True)
+    if run.returncode:
+        sys.exit(f"llama-quantize failed:\n{run.stderr[-3000:]}")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """One weight format on both sides: how k3 loads the model, which GGUF llama.cpp runs."""
+    dtype: torch.dtype
+    experts: str  # k3's routed experts: "dense" or "mxfp4"
+    gguf: str  # the converter's --outtype, or "mxfp4" (quantised from the f32 GGUF)
+    label: str
+    repack: bool = True  # llama-bench's weight repacking (its default)
+
+    def gguf_path(self, model_dir: Path, src: str, pydeps: str, bin_dir: Path) -> Path:
+        if self.gguf == "mxfp4":
+            return mxfp4_gguf(gguf_for(model_dir, "f32", src, pydeps), bin_dir)
+        return gguf_for(model_dir, self.gguf, src, pydeps)
+
+
+FORMATS = {
+    "f32": Format(torch.float32, "dense", "f32", "k3 fp32 vs GGUF F32"),
+    "bf16": Format(torch.bfloat16, "dense", "bf16", "k3 bf16 vs GGUF BF16"),
+    "f16": Format(torch.bfloat16, "dense", "f16", "k3 bf16 vs GGUF F16", repack=False),  # with it: the abort above
+    "mxfp4": Format(torch.bfloat16, "mxfp4", "mxfp4", "k3 MXFP4 experts + bf16 vs GGUF MXFP4 experts + BF16"),
+}
+
+
 # --------------------------------------------------------------------------------------- measurements
 @torch.no_grad()
-def check_logits(model, gguf: Path, bin_dir: Path, threads: int, outtype: str = "f32") -> str:
+def check_logits(model, gguf: Path, bin_dir: Path, threads: int) -> str:
     """Last-position logits of PROMPTS, llama.cpp (llama-debug) against k3 on llama.cpp's token ids.
 
-    A quantised GGUF runs without weight repacking, as in llama_bench: with it, llama-debug aborts on a q8_0 k3
-    GGUF (GGML_ASSERT(*cur_backend_id != -1) in ggml-backend.cpp, llama-cpp-python 0.3.36's llama.cpp)."""
+    llama-debug runs without weight repacking (`-nr`): with it, it aborts on a non-f32 k3 GGUF
+    (GGML_ASSERT(*cur_backend_id != -1) in ggml-backend.cpp, llama-cpp-python 0.3.36's llama.cpp)."""
     agree, diffs, scale = 0, [], 0.0
     with tempfile.TemporaryDirectory() as out:
         for prompt in PROMPTS:
             subprocess.run([bin_dir / "llama-debug", "-m", gguf, "-p", prompt, "--save-logits", "--logits-output-dir",
-                            out, "-t", str(threads), "-c", "256"] + (["-nr"] if outtype != "f32" else []),
-                           check=True, capture_output=True)
+                            out, "-t", str(threads), "-c", "256", "-nr"], check=True, capture_output=True)
             theirs = torch.from_numpy(np.fromfile(f"{out}/llamacpp-{gguf.stem}.bin", np.float32))
             ids = torch.from_numpy(np.fromfile(f"{out}/llamacpp-{gguf.stem}-tokens.bin", np.int32)).long()
             ours = model(ids[None]).logits[0, -1].float()
             agree += int(ours.argmax() == theirs.argmax())
             diffs.append(f"{(ours - theirs).abs().max().item():.1e}")
             scale = max(scale, ours.abs().max().item())
-    return (f"Logits, llama.cpp vs k3 (last position of {len(PROMPTS)} prompts tokenised by llama.cpp): top-1 agrees "
-            f"{agree}/{len(PROMPTS)}, max |Δ| per prompt {', '.join(diffs)} (max |logit| {scale:.2f}; a random-init "
-            "router can have near-tied experts, and one flipped choice shows as a Δ near the logit scale)")
+    return f"top-1 {agree}/{len(PROMPTS)}, max |Δ| {', '.join(diffs)} (max |logit| {scale:.2f})"
 
 
-def llama_bench(bin_dir: Path, gguf: Path, contexts, n_prompt, n_gen, reps, threads, outtype) -> dict:
-    """{(depth, "pp" | "tg"): median tok/s} from one llama-bench run."""
-    cmd = [bin_dir / "llama-bench", "-m", gguf, "-p", str(n_prompt), "-n", str(n_gen), "-d", ",".join(map(str, contexts)),
-           "-t", str(threads), "-r", str(reps), "-o", "json"] + (["--repack", "0"] if outtype != "f32" else [])
-    print("Running " + " ".join(map(str, cmd)), flush=True)
-    results = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-    return {(r["n_depth"], "pp" if r["n_prompt"] else "tg"): statistics.median(r["samples_ts"]) for r in results}
+def llama_bench(bin_dir: Path, gguf: Path, depth, n_prompt, n_gen, threads, repack) -> tuple[dict, float]:
+    """({"pp" | "tg": tok/s}, peak RSS in GiB) of one llama-bench run (one repetition after its warm-up)."""
+    cmd = [bin_dir / "llama-bench", "-m", gguf, "-p", str(n_prompt), "-n", str(n_gen), "-d", str(depth),
+           "-t", str(threads), "-r", "1", "-o", "json", "--repack", str(int(repack))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        sys.exit(f"{' '.join(map(str, cmd))} failed with exit code {proc.returncode}")
+    speeds = {"pp" if r["n_prompt"] else "tg": statistics.median(r["samples_ts"]) for r in json.loads(out)}
+    return speeds, usage.ru_maxrss / 2**20
 
 
 class K3Speeds:
     """k3 on top of `depth` cached tokens: the cache is filled once; each `once()` puts it back and measures
-    (prefill tok/s, decode tok/s)."""
+    {"pp": prefill tok/s, "tg": decode tok/s}."""
 
     @torch.no_grad()
     def __init__(self, model, depth, n_prompt, n_gen):
@@ -182,7 +233,7 @@ class K3Speeds:
         self.once()  # warm-up
 
     @torch.no_grad()
-    def once(self) -> tuple[float, float]:
+    def once(self) -> dict:
         model, cache = self.model, self.cache
         restore(cache, self.start)
         t0 = time.perf_counter()
@@ -192,7 +243,55 @@ class K3Speeds:
         next_B, t0 = self.ids_BT[:, self.depth], time.perf_counter()
         for _ in range(self.n_gen):
             next_B = sample_next_token(model(next_B[:, None], cache=cache, validate=False).logits[:, -1], 0)
-        return pp, self.n_gen / (time.perf_counter() - t0)
+        return {"pp": pp, "tg": self.n_gen / (time.perf_counter() - t0)}
+
+
+# ------------------------------------------------------------------------ k3 in a process per format
+REPLY = "@k3 "  # marks the worker's answers among whatever else reaches its stdout
+
+
+def worker(model_dir: str, fmt: str, gguf: str, bin_dir: str, threads: str, contexts: str, n_prompt: str, n_gen: str):
+    """Run as `peer_llama_cpp.py --worker ...`: load one format, check its logits, fill the caches, then answer
+    `<depth>` with one measurement and `rss` with the peak RSS (GiB), one JSON line each."""
+    torch.set_num_threads(int(threads))
+    spec = FORMATS[fmt]
+    model = K3ForCausalLM.from_pretrained(model_dir, dtype=spec.dtype, experts=spec.experts).eval()
+    huge = huge_page_weights(model)  # as `k3 generate` does
+    answer = {"check": check_logits(model, Path(gguf), Path(bin_dir), int(threads)), "huge_pages": huge,
+              "params_M": sum(p.numel() for p in model.parameters()) / 1e6}
+    speeds = {int(d): K3Speeds(model, int(d), int(n_prompt), int(n_gen)) for d in contexts.split(",")}
+    print(REPLY + json.dumps(answer), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "rss":
+            answer = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        else:
+            answer = speeds[int(line)].once()
+        print(REPLY + json.dumps(answer), flush=True)
+
+
+class Worker:
+    """The parent's handle on one worker process."""
+
+    def __init__(self, *args):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO / "benchmarks")]))
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", *map(str, args)], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready = self._reply()
+
+    def ask(self, request) -> dict:
+        self.proc.stdin.write(f"{request}\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def _reply(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+        sys.exit(f"a k3 worker exited with code {self.proc.wait()}")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -203,26 +302,25 @@ def main():
     parser.add_argument("--pydeps", default=DEFAULT_PYDEPS, help="the converter's extra Python packages "
                         f"(default {DEFAULT_PYDEPS}, or $K3_LLAMA_CPP_PYDEPS)")
     parser.add_argument("--model", type=Path, help="a k3 model directory (default: random-init k3-small)")
+    parser.add_argument("--formats", nargs="+", choices=tuple(FORMATS), help="weight formats (default: all; "
+                        "--quick: f32)")
     parser.add_argument("--contexts", type=int, nargs="+", help="context depths (default 512 8192; --quick 512)")
-    parser.add_argument("--outtype", default="f32", choices=("f32", "f16", "q8_0"), help="GGUF type for llama.cpp")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="pp 64, tg 8, 1 repetition: checks the pipeline")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of the full run (default 5)")
-    parser.add_argument("--small-pages", action="store_true",
-                        help="keep k3's weights on 4 KiB pages (default: k3.runtime.huge_page_weights, as k3 generate)")
+    parser.add_argument("--quick", action="store_true", help="pp 64, tg 8, 1 round: checks the pipeline")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the full run (default 3)")
     args = parser.parse_args()
     contexts = args.contexts or ([512] if args.quick else [512, 8192])
-    n_prompt, n_gen, reps = (64, 8, 1) if args.quick else (512, 64, args.rounds)
+    formats = args.formats or (["f32"] if args.quick else list(FORMATS))
+    n_prompt, n_gen, rounds = (64, 8, 1) if args.quick else (512, 64, args.rounds)
 
     build = Path(args.llama_cpp)
     bin_dir, cmake_cache = build / "bin", build / "CMakeCache.txt"
-    if not (bin_dir / "llama-bench").is_file() or not cmake_cache.is_file():
-        sys.exit(f"no llama.cpp build at {build}: build it as in this script's docstring (cmake -S <llama.cpp> "
-                 f"-B {build} -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF "
-                 f"-DLLAMA_BUILD_TESTS=OFF; cmake --build {build} -j2 --target llama-bench llama-debug)")
+    tools = ["llama-bench", "llama-debug"] + (["llama-quantize"] if "mxfp4" in formats else [])
+    missing = [tool for tool in tools if not (bin_dir / tool).is_file()]
+    if missing or not cmake_cache.is_file():
+        sys.exit(f"no llama.cpp build with {', '.join(tools)} at {build}: build it as in this script's docstring")
     src = next(line.split("=", 1)[1].strip() for line in cmake_cache.read_text().splitlines()
                if line.startswith("CMAKE_HOME_DIRECTORY:"))
-    torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
@@ -230,49 +328,58 @@ def main():
             model_dir = Path(tmp) / "k3-small-random"
             print("Building a random-init k3-small ...", flush=True)
             random_k3_small(model_dir)
-        gguf = gguf_for(model_dir, args.outtype, src, args.pydeps)
-        model = K3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        huge = not args.small_pages and huge_page_weights(model)  # as `k3 generate` does
-        pages = "2 MiB pages" if huge else "4 KiB pages"
-        n_params = sum(p.numel() for p in model.parameters()) / 1e6
-        check = (check_logits(model, gguf, bin_dir, args.threads, args.outtype)
-                 if (bin_dir / "llama-debug").is_file() else "Logits check skipped: llama-debug is not built")
-        print(check, flush=True)
+        ggufs = {f: FORMATS[f].gguf_path(model_dir, src, args.pydeps, bin_dir) for f in formats}
+        workers = {}
+        for f in formats:
+            print(f"Loading k3 ({f}), checking its logits and filling its caches ...", flush=True)
+            workers[f] = Worker(model_dir, f, ggufs[f], bin_dir, args.threads, ",".join(map(str, contexts)),
+                                n_prompt, n_gen)
 
         start, cpu_wait = time.perf_counter(), CpuWait()
-        ours = {depth: K3Speeds(model, depth, n_prompt, n_gen) for depth in contexts}
-        runs = []  # per round: {(depth, "pp" | "tg"): (k3 tok/s, llama.cpp tok/s)}
-        for r in range(reps):  # the two alternate per context, so a drift of the machine's speed reaches both alike;
-            run = {}  # who goes first alternates too (what ran just before can slow a run down on a small VM)
-            for depth, speeds in ours.items():
-                if r % 2:
-                    pp, tg = speeds.once()
-                theirs = llama_bench(bin_dir, gguf, [depth], n_prompt, n_gen, 1, args.threads, args.outtype)
-                if not r % 2:
-                    pp, tg = speeds.once()
-                run[depth, "pp"], run[depth, "tg"] = (pp, theirs[depth, "pp"]), (tg, theirs[depth, "tg"])
+        runs, their_rss = [], dict.fromkeys(formats, 0.0)  # runs: per round {(format, depth, kind): (k3, llama.cpp)}
+        for r in range(rounds):  # who goes first alternates (what ran just before can slow a run down on a small VM)
+            run = {}
+            for f in formats:
+                for depth in contexts:
+                    if r % 2:
+                        ours = workers[f].ask(depth)
+                    theirs, rss = llama_bench(bin_dir, ggufs[f], depth, n_prompt, n_gen, args.threads,
+                                              FORMATS[f].repack)
+                    if not r % 2:
+                        ours = workers[f].ask(depth)
+                    their_rss[f] = max(their_rss[f], rss)
+                    for kind in ("pp", "tg"):
+                        run[f, depth, kind] = ours[kind], theirs[kind]
             runs.append(run)
-        rows = []
+            print(f"round {r + 1}/{rounds} done", flush=True)
+        our_rss = {f: workers[f].ask("rss")["rss"] for f in formats}
+        for w in workers.values():
+            w.close()
+
+    rows = []
+    for f in formats:
         for depth in contexts:
             cells = []
-            for kind, digits in (("pp", 1), ("tg", 2)):
-                pairs = [run[depth, kind] for run in runs]
+            for kind, digits in (("tg", 2), ("pp", 1)):
+                pairs = [run[f, depth, kind] for run in runs]
                 ratios = [k / t for k, t in pairs]
                 cells += [f"{statistics.median(k for k, _ in pairs):,.{digits}f}",
                           f"{statistics.median(t for _, t in pairs):,.{digits}f}",
                           f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"]
-            rows.append([depth, *cells])
-
+            rows.append([FORMATS[f].label, f"{depth:,}", *cells])
     print(f"\nMachine: {machine()}")
-    print(f"Model: {model_dir} ({n_params:.1f} M parameters; k3's weights on {pages}); llama.cpp {src}, GGUF "
-          f"{args.outtype}; {args.threads} "
-          f"threads each; pp = {n_prompt} tokens in one batch, tg = {n_gen} decoded tokens, on top of the context; "
-          f"{reps} rounds, each per context one llama-bench run (its own warm-up first) and one k3 repetition (k3 "
-          f"warmed up before the first), llama.cpp first in even rounds, k3 in odd ones; medians over the rounds; ratio = median (range) of the per-round "
+    print(f"Model: {model_dir} ({workers[formats[0]].ready['params_M']:.1f} M parameters); llama.cpp {src}; "
+          f"{args.threads} threads each; pp = {n_prompt} tokens in one batch, tg = {n_gen} decoded tokens, on top of "
+          f"the context; {rounds} rounds; medians over the rounds; ratio = median (range) of the per-round "
           f"k3 / llama.cpp")
-    print(check + "\n")
-    print_table(["context", "k3 prefill tok/s", "llama.cpp prefill tok/s", "ratio", "k3 decode tok/s",
-                 "llama.cpp decode tok/s", "ratio"], rows, "rrrrrrr")
+    for f in formats:
+        ready = workers[f].ready
+        print(f"{FORMATS[f].label}: GGUF {ggufs[f].name}; k3 weights on {'2 MiB' if ready['huge_pages'] else '4 KiB'} "
+              f"pages; logits on {len(PROMPTS)} prompts: {ready['check']}; peak RSS k3 {our_rss[f]:.2f} GiB, "
+              f"llama.cpp {their_rss[f]:.2f} GiB")
+    print()
+    print_table(["format", "context", "k3 decode tok/s", "llama.cpp decode tok/s", "ratio", "k3 prefill tok/s",
+                 "llama.cpp prefill tok/s", "ratio"], rows, "llrrrrrr")
     print(f"Total runtime: {time.perf_counter() - start:.0f} s; load average at end: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; CPU wait over the run: {cpu_wait} (PSI; "
           f"well above 0 % means other processes competed for the cores)")
@@ -281,5 +388,7 @@ def main():
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--convert"]:
         convert_in_subprocess(*sys.argv[2:6])
+    elif sys.argv[1:2] == ["--worker"]:
+        worker(*sys.argv[2:10])
     else:
         main()

@@ -9,10 +9,13 @@ import pytest
 import torch
 from torch import nn
 
+from k3.checkpoint.hf import convert_experts
+from k3.checkpoint.quantization import with_experts_format
 from k3.config import K3Config
 from k3.model import K3ForCausalLM, fused_layer
 from k3.model.moe import RoutedExperts
 from k3.ops import compiled
+from k3.ops.mxfp4 import MXFP4Weight
 
 pytestmark = pytest.mark.skipif(compiled.build("decode")[0] is None,
                                 reason="the compiled decode kernel could not be built here")
@@ -288,3 +291,33 @@ def test_a_bf16_model_decodes_through_the_layer_step(monkeypatch):
     for path in (logits, module_logits, torch_logits):
         assert (path.float() - reference).abs().max() <= 2 * ulp
     assert (logits.float() - torch_logits.float()).abs().max() <= 2 * ulp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_decode_through_the_layer_step(tiny_model, monkeypatch, dtype):
+    """A model holding its routed experts packed in MXFP4 (§11.5), B = 2, a 6-token prefill then 5 one-token steps:
+    the layer step serves every layer of every step (the experts' blocks decoded in registers), and its logits and
+    caches are those of the same model holding the decoded weights densely, through the layer step and through the
+    modules alike: in fp32 to 1e-5 (a packed row's blocks are summed scaled, a dense row plainly, so the sums round
+    differently), in bf16 within one ulp of the largest logit."""
+    dense = tiny_model(seed=30, routed_expert_hidden_size=64, moe_intermediate_size=32)
+    state = convert_experts(dense.state_dict(), "mxfp4")
+    packed = K3ForCausalLM(with_experts_format(dense.config, "mxfp4")).eval()
+    packed.load_state_dict(state)
+    dense.load_state_dict(convert_experts(state, "dense"))  # the decoded values, held densely
+    packed, dense = packed.to(dtype), dense.to(dtype)
+    assert isinstance(packed.model.layers[1].block_sparse_moe.experts.w1, MXFP4Weight)
+    ids = torch.randint(0, dense.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(30))
+    served = spy_layer_steps(monkeypatch)
+    runs = [decode(packed, ids, steps=5), decode(dense, ids, steps=5)]
+    assert sorted(served) == sorted(list(range(len(packed.model.layers))) * 10)
+    modules_only(monkeypatch)
+    runs += [decode(packed, ids, steps=5), decode(dense, ids, steps=5)]
+    for (logits, cache), (dense_logits, dense_cache) in (runs[:2], runs[2:]):
+        assert logits.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(logits, dense_logits, rtol=1e-5, atol=1e-5 * dense_logits.abs().max().item())
+            assert_same_caches(cache, dense_cache, rtol=1e-5, atol=1e-5)
+        else:
+            ulp = 2.0 ** (torch.floor(torch.log2(dense_logits.float().abs().max())).item() - 7)
+            assert (logits.float() - dense_logits.float()).abs().max() <= ulp

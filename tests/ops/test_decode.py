@@ -9,6 +9,7 @@ from torch import nn
 
 from k3.model.attn_res import attn_res_mix
 from k3.ops import compiled, decode
+from k3.ops.mxfp4 import MXFP4Weight, decode_mxfp4
 from k3.ops.norm import RMSNorm, l2_normalize, rms_normalize
 
 pytestmark = pytest.mark.skipif(compiled.build("decode")[0] is None,
@@ -189,6 +190,26 @@ def test_bf16_moe_routed_is_the_fp32_one_rounded_once(rows):
         r = decode.moe_routed(x, z, gate, bias, w1, w3, w2, 2, True, 2.5, (4.0, 25.0))
         expected = decode.moe_routed(*widened(x, z, gate), bias, *widened(w1, w3, w2), 2, True, 2.5, (4.0, 25.0))
     assert r.dtype == torch.bfloat16 and torch.equal(r, expected.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_routed_with_mxfp4_experts_equals_their_decoded_weights(rows, dtype):
+    """Router and routed experts with MXFP4 experts (each block decoded in registers): the result of the same call
+    on the decoded dense weights, to fp32 rounding (the blocks are summed scaled, a dense row plainly), in the
+    activations' dtype. L 64 and M 96 (whole MXFP4 groups), D 37."""
+    D, L, M, E = 37, 64, 96, 6
+    x, z = randn(rows, D, seed=1, dtype=dtype), randn(rows, L, seed=2, dtype=dtype)
+    gate, bias = randn(E, D, seed=3, dtype=dtype), 0.1 * randn(E, seed=7)
+    packed = [MXFP4Weight(E, *shape).quantize_(randn(E, *shape, seed=seed))
+              for seed, shape in ((4, (M, L)), (5, (M, L)), (6, (L, M)))]
+    dense = [decode_mxfp4(w.weight_packed, w.weight_scale, torch.float32) for w in packed]
+    with torch.no_grad():
+        r = decode.moe_routed(x, z, gate, bias, *packed, 2, True, 2.5, (4.0, 25.0))
+        expected = decode.moe_routed(x.float(), z.float(), gate.float(), bias, *dense, 2, True, 2.5, (4.0, 25.0))
+    assert r is not None and r.dtype == dtype
+    torch.testing.assert_close(r.float(), expected.to(dtype).float(), rtol=0,
+                               atol=(1e-5 if dtype == torch.float32 else 2 ** -7) * expected.abs().max().item())
 
 
 def test_bf16_mla_step_is_the_fp32_step_rounded_once():

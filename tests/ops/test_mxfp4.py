@@ -152,14 +152,15 @@ def test_kernel_equals_reference_with_ragged_rows(O, I, monkeypatch):
 
 
 @needs_kernel
-def test_kernel_reads_every_scale_code_exactly():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_every_scale_code_exactly(dtype):
     """The compiled decoding equals decode_mxfp4 bit for bit for every code and every finite E8M0 scale (0..254,
-    the subnormal 2^-127 included)."""
+    the subnormal 2^-127 included), into fp32 and into bf16 buffers (every MXFP4 value is a bf16 value)."""
     packed = torch.arange(256, dtype=torch.uint8).repeat(255, 1)  # [255 rows, 256 bytes]: every byte per row
     scale = torch.arange(255, dtype=torch.uint8).unsqueeze(1).repeat(1, 16)
-    out = torch.empty(255, 512)
+    out = torch.empty(255, 512, dtype=dtype)
     compiled.load("mxfp4").dequantize(packed, scale, out)
-    assert torch.equal(out, decode_mxfp4(packed, scale, torch.float32))
+    assert torch.equal(out, decode_mxfp4(packed, scale, dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

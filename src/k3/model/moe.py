@@ -168,7 +168,7 @@ class StableLatentMoE(nn.Module):
 
     def fused_routed(self, x_ND: torch.Tensor, z_NL: torch.Tensor, ctx: StepContext | None) -> torch.Tensor | None:
         """`gate` then `experts` as one compiled call when decoding (`k3.ops.decode.moe_routed`: fp32 or bf16 CPU
-        tensors, a few tokens, no autograd), else None. Not for observed (training) calls, the loop reference, group limits, or
+        tensors, dense or MXFP4 experts, a few tokens, no autograd), else None. Not for observed (training) calls, the loop reference, group limits, or
         where a forward hook waits for the `gate` or `experts` module to run, or experts of another class (which may
         compute differently: expert parallelism, quantisation-aware training)."""
         cfg = self.config

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops import compiled
+from k3.ops import compiled, mxfp4
+from k3.ops.experts import ExpertWeight
 
 
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads, tensor by tensor
@@ -63,17 +64,30 @@ def kda_step(q_NP: torch.Tensor, k_NP: torch.Tensor, v_NP: torch.Tensor, conv_st
 
 
 def moe_routed(x_ND: torch.Tensor, z_NL: torch.Tensor, gate_weight_ED: torch.Tensor, bias_E: torch.Tensor,
-               w1_EML: torch.Tensor, w3_EML: torch.Tensor, w2_ELM: torch.Tensor, k: int, renormalize: bool,
+               w1_EML: ExpertWeight, w3_EML: ExpertWeight, w2_ELM: ExpertWeight, k: int, renormalize: bool,
                scaling: float, betas: tuple[float, float | None] | None) -> torch.Tensor | None:
     """Router and routed experts of a MoE layer (k3.model.moe): top-k of σ(x Wᵀ) + bias, weights from the unbiased
     scores (renormalised, scaled), r = Σ_e w_e · W2_e act(W1_e z, W3_e z) accumulated in fp32, [N, L] in z's dtype.
-    `betas` = (β₁, β₂) for SiTU-GLU (β₂ None: uncapped), None for SwiGLU."""
-    if not serves(compiled.rows(x_ND), x_ND, z_NL, gate_weight_ED, bias_E, w1_EML, w3_EML, w2_ELM):
+    The expert weights dense (fp32 or bf16) or MXFP4 (each block decoded in registers, `k3/ops/mxfp4.h`). `betas` =
+    (β₁, β₂) for SiTU-GLU (β₂ None: uncapped), None for SwiGLU."""
+    experts = [_expert_pair(w) for w in (w1_EML, w3_EML, w2_ELM)]
+    dense = [w for w, scale in experts if scale is None]
+    packed = [t for w, scale in experts if scale is not None for t in (w, scale)]
+    if (not all(type(t) is torch.Tensor and t.is_cpu for t in packed)
+            or not serves(compiled.rows(x_ND), x_ND, z_NL, gate_weight_ED, bias_E, *dense)):
         return None
     beta1, beta2 = betas or (0.0, 0.0)
-    weights = (w.contiguous() for w in (gate_weight_ED, bias_E, w1_EML, w3_EML, w2_ELM))
-    return compiled.load("decode").moe_routed(x_ND.contiguous(), z_NL.contiguous(), *weights, k, renormalize, scaling,
+    (w1, s1), (w3, s3), (w2, s2) = experts
+    return compiled.load("decode").moe_routed(x_ND.contiguous(), z_NL.contiguous(), gate_weight_ED.contiguous(),
+                                              bias_E.contiguous(), w1, w3, w2, s1, s3, s2, k, renormalize, scaling,
                                               betas is not None, beta1, 0.0 if beta2 is None else beta2)
+
+
+def _expert_pair(weight: ExpertWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dense weight, None) or (packed bytes, scales) of an MXFP4 weight, contiguous, as the kernel takes them."""
+    if isinstance(weight, mxfp4.MXFP4Weight):
+        return weight.weight_packed.contiguous(), weight.weight_scale.contiguous()
+    return weight.contiguous(), None
 
 
 def mla_step(q_BHQ: torch.Tensor, latent_BSL: torch.Tensor, length: int, kv_b_weight: torch.Tensor,

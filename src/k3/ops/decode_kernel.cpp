@@ -9,8 +9,10 @@
 
 #include "kernel_math.h"
 #include "matvec.h"
+#include "mxfp4.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -232,52 +234,104 @@ std::vector<Expert> route(const float *x, const T *gate_w, const float *bias, in
   return chosen;
 }
 
+// A stacked expert weight [E, out, in] as the model holds it: dense (fp32 or bf16, read as stored) or MXFP4 (uint8
+// `packed` [E, out, in/2] and E8M0 `scale` [E, out, in/32], each row decoded in registers, k3/ops/mxfp4.h)
+class ExpertWeight {
+ public:
+  ExpertWeight(const torch::Tensor &w, const c10::optional<torch::Tensor> &scale, const char *what)
+      : w_(w), scale_(scale) {
+    if (scale_) {
+      TORCH_CHECK(w.scalar_type() == torch::kByte && scale_->scalar_type() == torch::kByte && w.is_contiguous() &&
+                      scale_->is_contiguous() && w.device().is_cpu() && scale_->device().is_cpu() && w.dim() == 3 &&
+                      scale_->dim() == 3 && scale_->size(0) == w.size(0) && scale_->size(1) == w.size(1) &&
+                      w.size(2) == 16 * scale_->size(2),
+                  "decode kernel: ", what, " must be MXFP4 packed [E, out, in/2] and scale [E, out, in/32] uint8");
+      e8m0_ = k3::mxfp4::e8m0_table();
+    } else {
+      check(w, what);
+    }
+  }
+  int64_t experts() const { return w_.size(0); }
+  int64_t out() const { return w_.size(1); }
+  int64_t in() const { return scale_ ? 2 * w_.size(2) : w_.size(2); }
+  bool packed() const { return scale_.has_value(); }
+  bool same_form(const ExpertWeight &o) const { return packed() == o.packed() && w_.scalar_type() == o.w_.scalar_type(); }
+
+  // activation rows [A, in] fp32 in the layout `rows` reads: as given (dense), even then odd elements (MXFP4)
+  torch::Tensor layout(const torch::Tensor &x) const { return scale_ ? k3::mxfp4::split_even_odd(x) : x; }
+
+  // y[i] = (row `row` + i of the flattened [E·out, in]) · x for i < n, x one row in `layout`
+  void rows(int64_t row, int64_t n, const float *x, float *y) const {
+    const int64_t in = this->in();
+    if (scale_) {
+      const float *xe = x, *xo = x + in / 2;
+      const uint8_t *pp = w_.data_ptr<uint8_t>(), *sp = scale_->data_ptr<uint8_t>();
+      for (int64_t i = 0; i < n; ++i)
+        k3::mxfp4::row_dot(pp + (row + i) * (in / 2), sp + (row + i) * (in / k3::mxfp4::kGroup), in, &xe, &xo, 1,
+                           e8m0_.data(), y + i);
+      return;
+    }
+    typed(w_, [&](const auto *wp) { rows_dot(wp + row * in, n, in, x, y); });
+  }
+
+ private:
+  torch::Tensor w_;
+  c10::optional<torch::Tensor> scale_;
+  std::array<float, 256> e8m0_{};
+};
+
 torch::Tensor moe_routed(const torch::Tensor &x_in, const torch::Tensor &z_in, const torch::Tensor &gate_w,
-                         const torch::Tensor &bias_in, const torch::Tensor &w1, const torch::Tensor &w3,
-                         const torch::Tensor &w2, int64_t k, bool renormalize, double scaling, bool situ, double beta1,
+                         const torch::Tensor &bias_in, const ExpertWeight &w1, const ExpertWeight &w3,
+                         const ExpertWeight &w2, int64_t k, bool renormalize, double scaling, bool situ, double beta1,
                          double beta2) {
   check(gate_w, "gate.weight");
-  check(w1, "w1");
-  check(w3, "w3");
-  check(w2, "w2");
   const auto x = floats(x_in), z = floats(z_in), bias = floats(bias_in);
-  const int64_t D = x.size(-1), N = x.numel() / D, E = w1.size(0), M = w1.size(1), L = w1.size(2);
-  TORCH_CHECK(z.numel() == N * L && gate_w.numel() == E * D && bias.numel() == E && w3.sizes() == w1.sizes() &&
-                  w2.size(0) == E && w2.size(1) == L && w2.size(2) == M && k >= 1 && k <= E,
+  const int64_t D = x.size(-1), N = x.numel() / D, E = w1.experts(), M = w1.out(), L = w1.in();
+  TORCH_CHECK(z.numel() == N * L && gate_w.numel() == E * D && bias.numel() == E && w3.experts() == E &&
+                  w3.out() == M && w3.in() == L && w2.experts() == E && w2.out() == L && w2.in() == M && k >= 1 &&
+                  k <= E,
               "decode kernel: MoE shapes disagree");
-  TORCH_CHECK(w3.scalar_type() == w1.scalar_type(), "decode kernel: w1 and w3 differ in dtype");
+  TORCH_CHECK(w3.same_form(w1), "decode kernel: w1 and w3 differ in form");
   const auto chosen = typed(gate_w, [&](const auto *g) {
     return route(x.data_ptr<float>(), g, bias.data_ptr<float>(), N, D, E, k, renormalize, static_cast<float>(scaling));
   });
   const int64_t A = chosen.size();
   std::vector<float> h(A * M), u(A * M), y(A * L);
-  const float *zp = z.data_ptr<float>();
-  typed(w1, [&](const auto *w1p) {
-    const auto *w3p = static_cast<decltype(w1p)>(w3.data_ptr());  // w1's dtype (checked)
-    at::parallel_for(0, A * M, 16, [&](int64_t begin, int64_t end) {  // gate and up rows of every chosen expert
-      for (int64_t r = begin, n; r < end; r += n) {  // the part of [begin, end) in each chosen expert
-        const Expert &c = chosen[r / M];
-        const int64_t row = c.id * M + r % M;
-        n = std::min(end, (r / M + 1) * M) - r;
-        rows_dot(w1p + row * L, n, L, zp + c.row * L, h.data() + r);
-        rows_dot(w3p + row * L, n, L, zp + c.row * L, u.data() + r);
-      }
-    });
+  const auto zl = w1.layout(z);
+  const float *zp = zl.data_ptr<float>();
+  at::parallel_for(0, A * M, 16, [&](int64_t begin, int64_t end) {  // gate and up rows of every chosen expert
+    for (int64_t r = begin, n; r < end; r += n) {  // the part of [begin, end) in each chosen expert
+      const Expert &c = chosen[r / M];
+      const int64_t row = c.id * M + r % M;
+      n = std::min(end, (r / M + 1) * M) - r;
+      w1.rows(row, n, zp + c.row * L, h.data() + r);
+      w3.rows(row, n, zp + c.row * L, u.data() + r);
+    }
   });
   glu(h.data(), u.data(), A * M, {situ, static_cast<float>(beta1), static_cast<float>(beta2)});
-  typed(w2, [&](const auto *w2p) {
-    at::parallel_for(0, A * L, 16, [&](int64_t begin, int64_t end) {  // down rows
-      for (int64_t r = begin, n; r < end; r += n) {
-        n = std::min(end, (r / L + 1) * L) - r;
-        rows_dot(w2p + (chosen[r / L].id * L + r % L) * M, n, M, h.data() + (r / L) * M, y.data() + r);
-      }
-    });
+  const auto hl = w2.layout(torch::from_blob(h.data(), {A, M}, torch::kFloat));
+  const float *hp = hl.data_ptr<float>();
+  at::parallel_for(0, A * L, 16, [&](int64_t begin, int64_t end) {  // down rows
+    for (int64_t r = begin, n; r < end; r += n) {
+      n = std::min(end, (r / L + 1) * L) - r;
+      w2.rows(chosen[r / L].id * L + r % L, n, hp + (r / L) * M, y.data() + r);
+    }
   });
   auto out = torch::zeros({N, L}, x.options());
   float *op = out.data_ptr<float>();
   for (int64_t a = 0; a < A; ++a)
     for (int64_t l = 0; l < L; ++l) op[chosen[a].row * L + l] += chosen[a].weight * y[a * L + l];
   return like(out, z_in);
+}
+
+// `moe_routed` as the Python side calls it: each expert weight a dense tensor, or MXFP4 packed bytes with its scale
+torch::Tensor moe_routed_op(const torch::Tensor &x, const torch::Tensor &z, const torch::Tensor &gate_w,
+                            const torch::Tensor &bias, const torch::Tensor &w1, const torch::Tensor &w3,
+                            const torch::Tensor &w2, const c10::optional<torch::Tensor> &s1,
+                            const c10::optional<torch::Tensor> &s3, const c10::optional<torch::Tensor> &s2, int64_t k,
+                            bool renormalize, double scaling, bool situ, double beta1, double beta2) {
+  return moe_routed(x, z, gate_w, bias, ExpertWeight(w1, s1, "w1"), ExpertWeight(w3, s3, "w3"),
+                    ExpertWeight(w2, s2, "w2"), k, renormalize, scaling, situ, beta1, beta2);
 }
 
 constexpr int64_t kHeads = 8;   // heads whose sums one pass over the latent rows accumulates together
@@ -431,23 +485,43 @@ torch::Tensor mla_step(const torch::Tensor &q_in, const torch::Tensor &latent, i
 class Weights {
  public:
   explicit Weights(py::dict tensors) : tensors_(std::move(tensors)) {}
-  // whether the kernel takes every tensor: fp32 or bf16 (a bf16 model's weights, its §0.4 tensors fp32) on the
-  // CPU, no tensor subclass that dispatches in Python (a DTensor, say) — checked here, once per call, at a fraction
-  // of the cost of the same checks in Python
+  // whether the kernel takes every tensor: fp32 or bf16 (a bf16 model's weights, its §0.4 tensors fp32), or the
+  // uint8 pair of an MXFP4 expert weight, on the CPU, no tensor subclass that dispatches in Python (a DTensor, say)
+  // — checked here, once per call, at a fraction of the cost of the same checks in Python
   bool served() const {
     for (const auto &item : tensors_) {
       const auto t = item.second.cast<torch::Tensor>();
-      if (!k3::readable(t) || t.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python))
+      if (!(k3::readable(t) || (t.scalar_type() == torch::kByte && t.device().is_cpu() && mxfp4_part(item.first))) ||
+          t.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python))
         return false;
     }
     return true;
   }
   bool has(const std::string &name) const { return tensors_.contains(name); }
   torch::Tensor operator()(const std::string &name) const {
+    auto t = raw(name);
+    check(t, name.c_str());
+    return t;
+  }
+  // the stacked routed-expert weight `name` ("block_sparse_moe.experts.w1"): dense, or its MXFP4 pair
+  ExpertWeight experts(const std::string &name) const {
+    if (has(name + ".weight_packed"))
+      return ExpertWeight(raw(name + ".weight_packed"), raw(name + ".weight_scale"), name.c_str());
+    return ExpertWeight((*this)(name), c10::nullopt, name.c_str());
+  }
+
+ private:
+  static bool mxfp4_part(const py::handle &name) {
+    const auto n = name.cast<std::string>();
+    const auto ends = [&](const std::string &tail) {
+      return n.size() >= tail.size() && n.compare(n.size() - tail.size(), tail.size(), tail) == 0;
+    };
+    return ends(".weight_packed") || ends(".weight_scale");
+  }
+  torch::Tensor raw(const std::string &name) const {
     TORCH_CHECK(has(name), "decode kernel: the layer has no tensor ", name);
     auto t = tensors_[py::str(name)].cast<torch::Tensor>();
     if (!t.is_contiguous()) t = t.contiguous();  // (a parameter always is: no dispatch on the usual path)
-    check(t, name.c_str());
     return t;
   }
 
@@ -533,8 +607,8 @@ torch::Tensor moe(const torch::Tensor &x, const Weights &w, const Options &o) {
   }
   const auto p = k3::linears(x, weights);
   auto r = moe_routed(x, p[0], w("block_sparse_moe.gate.weight"), w("block_sparse_moe.gate.e_score_correction_bias"),
-                      w("block_sparse_moe.experts.w1"), w("block_sparse_moe.experts.w3"),
-                      w("block_sparse_moe.experts.w2"), o.top_k, o.renormalize, o.scaling, o.act.situ, o.act.beta1,
+                      w.experts("block_sparse_moe.experts.w1"), w.experts("block_sparse_moe.experts.w3"),
+                      w.experts("block_sparse_moe.experts.w2"), o.top_k, o.renormalize, o.scaling, o.act.situ, o.act.beta1,
                       o.act.beta2);
   if (w.has("block_sparse_moe.routed_expert_norm.weight"))
     r = rms_norm(r, w("block_sparse_moe.routed_expert_norm.weight"), o.eps, true);
@@ -584,7 +658,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMS or L2 normalisation of the rows, times an optional gain (fp32 or bf16)");
   m.def("attn_res_mix", &attn_res_mix, "the Block AttnRes softmax mix of same-shaped sources (fp32 or bf16)");
   m.def("kda_step", &kda_step, "one fused KDA decode step after the projections (fp32 or bf16)");
-  m.def("moe_routed", &moe_routed, "router and routed experts of a MoE layer for a few tokens (fp32 or bf16)");
+  m.def("moe_routed", &moe_routed_op,
+        "router and routed experts of a MoE layer for a few tokens (fp32 or bf16; experts dense or MXFP4)");
   m.def("mla_step", &mla_step, "one absorbed-MLA step over the latent cache (fp32 or bf16)");
   m.def("layer_step", &layer_step, "one decoder layer for one token per sequence (fp32 or bf16)");
 }

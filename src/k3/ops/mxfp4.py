@@ -200,20 +200,20 @@ KERNEL_ROWS = 8
 
 
 def _kernel_serves(x_AI: Tensor, weight: MXFP4Weight) -> bool:
-    """fp32 CPU rows, contiguous CPU weights, the kernel built."""
+    """fp32 or bf16 CPU rows, contiguous CPU weights, the kernel built."""
     packed, scale = weight.weight_packed, weight.weight_scale
     return (packed.is_contiguous() and scale.is_contiguous() and packed.is_cpu
-            and compiled.serves("mxfp4", x_AI))
+            and compiled.serves("mxfp4", x_AI, dtypes=(torch.float32, torch.bfloat16)))
 
 
 def _tiled(x_AI: Tensor, weight: MXFP4Weight, counts_E: Tensor) -> Tensor:
     """`expert_linear` for many rows: each expert's rows times its weight decoded `TILE_VALUES` at a time into one
-    buffer (compiled decoding for fp32 CPU rows), so the working memory is the tile, not the expert. With autograd
+    buffer (compiled decoding for fp32 or bf16 CPU rows), so the working memory is the tile, not the expert. With autograd
     each tile is a tensor of its own: the product's backward keeps it."""
     E, O, I = weight.shape
     tile_rows = max(1, min(O, TILE_VALUES // I))
-    compiled_decode = (x_AI.dtype is torch.float32 and not (torch.is_grad_enabled() and x_AI.requires_grad)
-                       and _kernel_serves(x_AI, weight))
+    compiled_decode = (x_AI.dtype in (torch.float32, torch.bfloat16)
+                       and not (torch.is_grad_enabled() and x_AI.requires_grad) and _kernel_serves(x_AI, weight))
     buffer_OI = x_AI.new_empty(tile_rows, I) if compiled_decode else None
     y_AO = x_AI.new_empty(x_AI.shape[0], O)
     for e, start, n in _experts_with_rows(counts_E):

@@ -1,98 +1,23 @@
-// MXFP4 expert products without a dense expert (k3/ops/mxfp4.py, docs/architecture.md §11.5): each 32-value block
-// of a weight row is decoded in registers (its 16 bytes widened to 32 FP4 codes, the codes looked up in a 16-entry
-// table, the block scaled by its E8M0 factor) and consumed by the dot products at once. The inputs are split once into
-// their even and odd elements, which meet the low and the high nibbles of each byte, so no lane is shuffled.
-// fp32 activations and accumulation.
+// MXFP4 expert products without a dense expert (k3/ops/mxfp4.py, docs/architecture.md §11.5): the few-row products
+// decode each weight block in registers (mxfp4.h); the many-row path decodes tiles for a matrix product.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <array>
-#include <atomic>
-#include <cmath>
-#include <vector>
+#include "mxfp4.h"
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include <algorithm>
+#include <atomic>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
-constexpr int64_t kGroup = 32;  // weights sharing one E8M0 exponent
-constexpr int64_t kMaxRows = 8;  // rows of x one pass over a weight row serves (the callers send at most 4)
-constexpr float kFP4[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-
-// 2^(s − 127) for every E8M0 code s (s = 0 is the subnormal 2^−127; 255, NaN, is refused before the call)
-std::array<float, 256> e8m0_table() {
-  std::array<float, 256> t{};
-  for (int s = 0; s < 256; ++s) t[s] = std::ldexp(1.f, s - 127);
-  return t;
-}
-
-// acc[r] += Σ over one weight row of w·x_r, for the n rows r of x given as even halves xe[r] and odd halves xo[r]
-// (each in/2 long); `packed` in/2 bytes, `scale` in/32 codes
-void row_dot(const uint8_t *packed, const uint8_t *scale, int64_t in, const float *const *xe,
-             const float *const *xo, int64_t n, const float *e8m0, float *out) {
-  const int64_t groups = in / kGroup;
-#if defined(__AVX512F__)
-  const __m512 table = _mm512_loadu_ps(kFP4);
-  const __m512i low = _mm512_set1_epi32(0xF);
-  __m512 acc[kMaxRows];
-  for (int64_t r = 0; r < n; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(packed + 16 * g)));
-    const __m512 even = _mm512_permutexvar_ps(_mm512_and_si512(codes, low), table);
-    const __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
-    const __m512 s = _mm512_set1_ps(e8m0[scale[g]]);
-    for (int64_t r = 0; r < n; ++r) {
-      const __m512 t = _mm512_fmadd_ps(odd, _mm512_loadu_ps(xo[r] + 16 * g),
-                                       _mm512_mul_ps(even, _mm512_loadu_ps(xe[r] + 16 * g)));
-      acc[r] = _mm512_fmadd_ps(t, s, acc[r]);
-    }
-  }
-  for (int64_t r = 0; r < n; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-#elif defined(__AVX2__)
-  // 8 magnitudes by code & 7, the sign bit (code & 8) moved to the float's sign
-  const __m256 magnitude = _mm256_loadu_ps(kFP4);
-  const __m256i seven = _mm256_set1_epi32(7), eight = _mm256_set1_epi32(8);
-  auto lookup = [&](__m256i c) {
-    const __m256 m = _mm256_permutevar8x32_ps(magnitude, _mm256_and_si256(c, seven));
-    return _mm256_xor_ps(m, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, eight), 28)));
-  };
-  __m256 acc[kMaxRows];
-  for (int64_t r = 0; r < n; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m256 s = _mm256_set1_ps(e8m0[scale[g]]);
-    for (int64_t h = 0; h < 2; ++h) {  // 8 bytes = 8 even and 8 odd elements at a time
-      const int64_t j = 16 * g + 8 * h;
-      const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(packed + j)));
-      const __m256 even = lookup(_mm256_and_si256(codes, _mm256_set1_epi32(0xF)));
-      const __m256 odd = lookup(_mm256_srli_epi32(codes, 4));
-      for (int64_t r = 0; r < n; ++r) {
-        const __m256 t = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xo[r] + j), _mm256_mul_ps(even, _mm256_loadu_ps(xe[r] + j)));
-        acc[r] = _mm256_fmadd_ps(t, s, acc[r]);
-      }
-    }
-  }
-  for (int64_t r = 0; r < n; ++r) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc[r]);
-    out[r] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-  }
-#else
-  for (int64_t r = 0; r < n; ++r) {
-    float acc = 0.f;
-    for (int64_t g = 0; g < groups; ++g) {
-      float t = 0.f;
-      for (int64_t j = 16 * g; j < 16 * (g + 1); ++j)
-        t += kFP4[packed[j] & 0xF] * xe[r][j] + kFP4[packed[j] >> 4] * xo[r][j];
-      acc += t * e8m0[scale[g]];
-    }
-    out[r] = acc;
-  }
-#endif
-}
+using k3::mxfp4::e8m0_table;
+using k3::mxfp4::kFP4;
+using k3::mxfp4::kGroup;
+using k3::mxfp4::kMaxRows;
+using k3::mxfp4::row_dot;
 
 void check_pair(const torch::Tensor &packed, const torch::Tensor &scale) {
   TORCH_CHECK(packed.scalar_type() == torch::kByte && scale.scalar_type() == torch::kByte && packed.is_contiguous() &&
@@ -122,7 +47,7 @@ torch::Tensor expert_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor
     TORCH_CHECK(e < E - 1 || a + cp[e] == A, "mxfp4 kernel: the counts do not add up to the rows");
   }
   // the rows of x split into even and odd elements: xs [A, 2, in/2]
-  auto xs = x.view({A, in / 2, 2}).transpose(1, 2).contiguous();
+  auto xs = k3::mxfp4::split_even_odd(x);
   auto y = torch::empty({A, out}, x.options());
   const auto e8m0 = e8m0_table();
   const uint8_t *pp = packed.data_ptr<uint8_t>(), *sp = scale.data_ptr<uint8_t>();
@@ -144,24 +69,32 @@ torch::Tensor expert_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor
   return y;
 }
 
-// packed [R, in/2] / scale [R, in/32] -> out [R, in] fp32 (a tile of an expert, for the matmul of many rows)
+// packed [R, in/2] / scale [R, in/32] -> out [R, in], fp32 or bf16 (a tile of an expert, for the matmul of many
+// rows; every MXFP4 value is a bf16 value, so both are exact)
 void dequantize(torch::Tensor packed, torch::Tensor scale, torch::Tensor out) {
   check_pair(packed, scale);
-  TORCH_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && out.numel() == 2 * packed.numel(),
-              "mxfp4 kernel: out must be contiguous fp32 with two values per packed byte");
+  TORCH_CHECK((out.scalar_type() == torch::kFloat || out.scalar_type() == torch::kBFloat16) && out.is_contiguous() &&
+                  out.numel() == 2 * packed.numel(),
+              "mxfp4 kernel: out must be contiguous fp32 or bf16 with two values per packed byte");
   const int64_t bytes = packed.size(-1), rows = packed.numel() / std::max<int64_t>(bytes, 1);
   const auto e8m0 = e8m0_table();
   const uint8_t *pp = packed.data_ptr<uint8_t>(), *sp = scale.data_ptr<uint8_t>();
-  float *op = out.data_ptr<float>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bytes, 1)), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r)
-      for (int64_t j = 0; j < bytes; ++j) {
-        const float s = e8m0[sp[r * (bytes / 16) + j / 16]];
-        const uint8_t v = pp[r * bytes + j];
-        op[r * 2 * bytes + 2 * j] = kFP4[v & 0xF] * s;
-        op[r * 2 * bytes + 2 * j + 1] = kFP4[v >> 4] * s;
-      }
-  });
+  const auto decode = [&](auto *op) {
+    using T = std::remove_pointer_t<decltype(op)>;
+    at::parallel_for(0, rows, std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bytes, 1)), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r)
+        for (int64_t j = 0; j < bytes; ++j) {
+          const float s = e8m0[sp[r * (bytes / 16) + j / 16]];
+          const uint8_t v = pp[r * bytes + j];
+          op[r * 2 * bytes + 2 * j] = static_cast<T>(kFP4[v & 0xF] * s);
+          op[r * 2 * bytes + 2 * j + 1] = static_cast<T>(kFP4[v >> 4] * s);
+        }
+    });
+  };
+  if (out.scalar_type() == torch::kBFloat16)
+    decode(out.data_ptr<c10::BFloat16>());
+  else
+    decode(out.data_ptr<float>());
 }
 
 // nearest FP4 code of |v| (0..7) with ties to the even code, saturating at 6: the count of the grid's midpoints
@@ -211,6 +144,6 @@ void quantize(torch::Tensor w, torch::Tensor packed, torch::Tensor scale) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("expert_linear", &expert_linear, "x[a] W[e(a)]ᵀ for rows sorted by expert, W in MXFP4 (fp32 x)");
-  m.def("dequantize", &dequantize, "MXFP4 rows decoded into an fp32 buffer");
+  m.def("dequantize", &dequantize, "MXFP4 rows decoded into an fp32 or bf16 buffer");
   m.def("quantize", &quantize, "fp32 rows encoded to MXFP4 (OCP-MX rounding)");
 }

@@ -164,11 +164,13 @@ def test_kernel_reads_every_scale_code_exactly(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiles_equal_reference_and_bound_their_buffer(dtype, monkeypatch):
-    """Many rows: one decoded tile at a time (several tiles an expert, a partial last one), equal to the reference."""
-    monkeypatch.setattr(mxfp4, "TILE_VALUES", 5 * 96)  # tiles of 5 of the 37 rows
-    weight = _experts(4, 37, 96, seed=2)
-    counts = torch.tensor([20, 0, 13, 9])
+@pytest.mark.parametrize("tile", [5 * 96, 2 * 37 * 96 + 5])  # 5 of an expert's 37 rows; two whole experts
+def test_tiles_equal_reference_and_bound_their_buffer(dtype, tile, monkeypatch):
+    """Many rows: one decoded tile at a time, equal to the reference: several tiles an expert (a partial last one),
+    or several experts a tile (a partial last group; experts without rows skipped)."""
+    monkeypatch.setattr(mxfp4, "TILE_VALUES", tile)
+    weight = _experts(5, 37, 96, seed=2)
+    counts = torch.tensor([20, 0, 13, 9, 11])
     x = torch.randn(int(counts.sum()), 96, generator=torch.Generator().manual_seed(3)).to(dtype)
     with torch.no_grad():
         y = expert_linear(x, weight, counts)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from k3.ops import compiled
+from k3.ops.grouped_mm import grouped_mm
 
 GROUP_SIZE = 32
 """Input elements sharing one E8M0 exponent."""
@@ -166,8 +167,9 @@ class MXFP4Weight(nn.Module):
             self.weight_packed[e], self.weight_scale[e] = encode_mxfp4(torch.randn(O, I) * std)
 
 
-TILE_VALUES = 1 << 18
-"""Decoded weights per tile of the many-rows path (1 MiB in fp32): its memory, whatever the expert's size."""
+TILE_VALUES = 1 << 22
+"""Decoded weights per tile of the many-rows path (8 MiB in bf16, 16 MiB in fp32): its memory, whatever the size and
+number of the experts."""
 
 
 def expert_linear_reference(x_AI: Tensor, weight: MXFP4Weight, counts_E: Tensor) -> Tensor:
@@ -207,26 +209,50 @@ def _kernel_serves(x_AI: Tensor, weight: MXFP4Weight) -> bool:
 
 
 def _tiled(x_AI: Tensor, weight: MXFP4Weight, counts_E: Tensor) -> Tensor:
-    """`expert_linear` for many rows: each expert's rows times its weight decoded `TILE_VALUES` at a time into one
-    buffer (compiled decoding for fp32 or bf16 CPU rows), so the working memory is the tile, not the expert. With autograd
-    each tile is a tensor of its own: the product's backward keeps it."""
+    """`expert_linear` for many rows, the experts' weights decoded `TILE_VALUES` at a time into x's dtype: whole
+    experts together where several fit in a tile (their rows then take one grouped matrix product), else each expert
+    a tile of its output rows at a time; so the working memory is the tile, not the experts. Compiled decoding into
+    one reused buffer for fp32 or bf16 CPU rows without autograd; with autograd each tile is a tensor of its own (the
+    product's backward keeps it)."""
     E, O, I = weight.shape
-    tile_rows = max(1, min(O, TILE_VALUES // I))
-    compiled_decode = (x_AI.dtype in (torch.float32, torch.bfloat16)
-                       and not (torch.is_grad_enabled() and x_AI.requires_grad) and _kernel_serves(x_AI, weight))
-    buffer_OI = x_AI.new_empty(tile_rows, I) if compiled_decode else None
+    reuse = not (torch.is_grad_enabled() and x_AI.requires_grad) and _kernel_serves(x_AI, weight)
+    buffer = x_AI.new_empty(TILE_VALUES) if reuse else None
     y_AO = x_AI.new_empty(x_AI.shape[0], O)
-    for e, start, n in _experts_with_rows(counts_E):
-        x_nI = x_AI[start:start + n]
+    experts = _experts_with_rows(counts_E)
+    per_tile = TILE_VALUES // (O * I)
+    if per_tile >= 2:
+        for g in range(0, len(experts), per_tile):
+            group = experts[g:g + per_tile]
+            w_GOI = _decoded(*_gathered(weight, [e for e, _, _ in group]), x_AI.dtype, buffer)
+            first, last = group[0][1], group[-1][1] + group[-1][2]
+            y_AO[first:last] = grouped_mm(x_AI[first:last], w_GOI.transpose(-1, -2),
+                                          torch.tensor([n for _, _, n in group]))
+        return y_AO
+    tile_rows = max(1, min(O, TILE_VALUES // I))
+    for e, start, n in experts:
         for o in range(0, O, tile_rows):
-            packed, scale = weight.weight_packed[e, o:o + tile_rows], weight.weight_scale[e, o:o + tile_rows]
-            if compiled_decode:
-                w_tI = buffer_OI[:packed.shape[0]]
-                compiled.load("mxfp4").dequantize(packed, scale, w_tI)
-            else:
-                w_tI = decode_mxfp4(packed, scale, x_AI.dtype)
-            y_AO[start:start + n, o:o + packed.shape[0]] = x_nI @ w_tI.t()
+            w_tI = _decoded(weight.weight_packed[e, o:o + tile_rows], weight.weight_scale[e, o:o + tile_rows],
+                            x_AI.dtype, buffer)
+            y_AO[start:start + n, o:o + w_tI.shape[0]] = x_AI[start:start + n] @ w_tI.t()
     return y_AO
+
+
+def _gathered(weight: MXFP4Weight, experts: list[int]) -> tuple[Tensor, Tensor]:
+    """The packed bytes and scales of `experts` (ascending): a view where they are consecutive, else a copy."""
+    if experts[-1] - experts[0] == len(experts) - 1:
+        return weight.weight_packed[experts[0]:experts[-1] + 1], weight.weight_scale[experts[0]:experts[-1] + 1]
+    ids = torch.tensor(experts, device=weight.weight_packed.device)
+    return weight.weight_packed.index_select(0, ids), weight.weight_scale.index_select(0, ids)
+
+
+def _decoded(packed: Tensor, scale: Tensor, dtype: torch.dtype, buffer: Tensor | None) -> Tensor:
+    """``packed [..., in/2]`` with its scales decoded into the front of `buffer` (compiled), or into a new tensor
+    (`decode_mxfp4`) where there is no buffer."""
+    if buffer is None:
+        return decode_mxfp4(packed, scale, dtype)
+    out = buffer[:2 * packed.numel()].view(*packed.shape[:-1], 2 * packed.shape[-1])
+    compiled.load("mxfp4").dequantize(packed.contiguous(), scale.contiguous(), out)
+    return out
 
 
 def _experts_with_rows(counts_E: Tensor) -> list[tuple[int, int, int]]:

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -69,26 +70,65 @@ torch::Tensor expert_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor
   return y;
 }
 
-// packed [R, in/2] / scale [R, in/32] -> out [R, in], fp32 or bf16 (a tile of an expert, for the matmul of many
-// rows; every MXFP4 value is a bf16 value, so both are exact)
+// one weight row decoded: `packed` in/2 bytes and `scale` in/32 codes -> out [in], fp32 or bf16 (exact: every
+// MXFP4 value is a bf16 value, so the bf16 bits are the fp32 bits' upper half)
+inline uint16_t upper_half(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+template <typename T>
+void decode_row(const uint8_t *packed, const uint8_t *scale, int64_t in, const float *e8m0, T *out) {
+  int64_t g = 0;
+#if defined(__AVX512F__)
+  const __m512 table = _mm512_loadu_ps(kFP4);
+  const __m512i low = _mm512_set1_epi32(0xF);
+  // element 2j of a block is the low nibble of byte j (`even` lane j), element 2j + 1 its high nibble (`odd` lane j)
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (; g < in / kGroup; ++g) {
+    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(packed + 16 * g)));
+    const __m512 s = _mm512_set1_ps(e8m0[scale[g]]);
+    const __m512 even = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, low), table), s);
+    const __m512 odd = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table), s);
+    const __m512 halves[2] = {_mm512_permutex2var_ps(even, first, odd), _mm512_permutex2var_ps(even, second, odd)};
+    for (int h = 0; h < 2; ++h) {
+      T *o = out + kGroup * g + 16 * h;
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_storeu_ps(o, halves[h]);
+      } else {
+        const __m256i bits = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(halves[h]), 16));
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(o), bits);
+      }
+    }
+  }
+#endif
+  for (; g < in / kGroup; ++g) {
+    const float s = e8m0[scale[g]];
+    for (int64_t j = 16 * g; j < 16 * (g + 1); ++j)
+      for (int h = 0; h < 2; ++h) {
+        const float v = kFP4[h ? packed[j] >> 4 : packed[j] & 0xF] * s;
+        if constexpr (std::is_same_v<T, float>)
+          out[2 * j + h] = v;
+        else
+          out[2 * j + h] = c10::BFloat16(upper_half(v), c10::BFloat16::from_bits());
+      }
+  }
+}
+
+// packed [R, in/2] / scale [R, in/32] -> out [R, in], fp32 or bf16 (a tile of experts, for the matmul of many rows)
 void dequantize(torch::Tensor packed, torch::Tensor scale, torch::Tensor out) {
   check_pair(packed, scale);
   TORCH_CHECK((out.scalar_type() == torch::kFloat || out.scalar_type() == torch::kBFloat16) && out.is_contiguous() &&
                   out.numel() == 2 * packed.numel(),
               "mxfp4 kernel: out must be contiguous fp32 or bf16 with two values per packed byte");
-  const int64_t bytes = packed.size(-1), rows = packed.numel() / std::max<int64_t>(bytes, 1);
+  const int64_t bytes = packed.size(-1), in = 2 * bytes, rows = packed.numel() / std::max<int64_t>(bytes, 1);
   const auto e8m0 = e8m0_table();
   const uint8_t *pp = packed.data_ptr<uint8_t>(), *sp = scale.data_ptr<uint8_t>();
   const auto decode = [&](auto *op) {
-    using T = std::remove_pointer_t<decltype(op)>;
     at::parallel_for(0, rows, std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bytes, 1)), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r)
-        for (int64_t j = 0; j < bytes; ++j) {
-          const float s = e8m0[sp[r * (bytes / 16) + j / 16]];
-          const uint8_t v = pp[r * bytes + j];
-          op[r * 2 * bytes + 2 * j] = static_cast<T>(kFP4[v & 0xF] * s);
-          op[r * 2 * bytes + 2 * j + 1] = static_cast<T>(kFP4[v >> 4] * s);
-        }
+      for (int64_t r = b; r < e; ++r) decode_row(pp + r * bytes, sp + r * (in / kGroup), in, e8m0.data(), op + r * in);
     });
   };
   if (out.scalar_type() == torch::kBFloat16)

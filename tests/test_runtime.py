@@ -74,3 +74,25 @@ def test_huge_page_weights_moves_storage_not_values(monkeypatch, tmp_path):
 def test_huge_page_weights_skips_a_small_module(monkeypatch):
     monkeypatch.setattr(runtime, "_thp_mode", lambda: "madvise")
     assert runtime.huge_page_weights(torch.nn.Linear(16, 16)) is False  # under one huge page of weights
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc behaviour")
+def test_huge_page_weights_peaks_at_one_copy_under_keep_freed_memory():
+    """With glibc keeping freed memory (as the command line sets it), moving 256 MiB of weights hands their old
+    storage back as it goes: the peak resident size grows by the weights plus at most `RELEASE_EVERY` (and slack),
+    not by two copies, and one copy stays resident."""
+    code = """
+import resource, torch
+from k3 import runtime
+def rss():
+    return int(open('/proc/self/statm').read().split()[1]) * 4096 / 2**20
+assert runtime.keep_freed_memory()
+runtime._thp_mode = lambda: "madvise"
+before = rss()
+weights = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(8 * 2**20)) for _ in range(8))  # 8 x 32 MiB
+assert runtime.huge_page_weights(weights)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10 - before, rss() - before)
+"""
+    peak, now = map(float, subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                          text=True).stdout.split())
+    assert peak < 256 + runtime.RELEASE_EVERY / 2**20 + 48 and 250 < now < 256 + 16

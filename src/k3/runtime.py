@@ -28,16 +28,30 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's <malloc.h> parameter numbers
 NEVER_TRIM = 2**31 - 1  # bytes (mallopt takes an int)
 
 
+def _libc_function(name: str):
+    """The C library's function `name`, or None where the library or the function is missing (not glibc)."""
+    library = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(library), name, None) if library else None
+
+
 def keep_freed_memory() -> bool:
     """Make glibc keep freed memory for reuse; True where it took effect."""
-    name = ctypes.util.find_library("c")
-    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    mallopt = _libc_function("mallopt")
     if mallopt is None:
         return False
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the operating system now (glibc `malloc_trim`), whatever
+    `keep_freed_memory` set: for a one-off release as large as the model, which would otherwise stay resident."""
+    malloc_trim = _libc_function("malloc_trim")
+    if malloc_trim is not None:
+        malloc_trim(0)
+
+
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
+RELEASE_EVERY = 64 << 20  # bytes of moved weights between two releases of their old storage
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -54,7 +68,9 @@ def huge_page_weights(module: nn.Module) -> bool:
     """Move the module's CPU parameters and buffers (plain tensors; the same objects, new storage: `tensor.data`) into
     one anonymous mapping advised for transparent huge pages, each tensor contiguous and 64-byte aligned. True where
     it did; False where huge pages are off or already everyone's, `mmap` cannot advise, or there is under one huge
-    page of weights. Values are unchanged; the old storage is freed as each tensor moves."""
+    page of weights. Values are unchanged; the old storage is freed as each tensor moves and handed back to the
+    operating system every `RELEASE_EVERY` bytes (`release_freed_memory`): the resident size peaks at one copy of
+    the weights plus that much, not two copies."""
     if _thp_mode() != "madvise" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     tensors = list({id(t): t for t in (*module.parameters(), *module.buffers())
@@ -68,11 +84,15 @@ def huge_page_weights(module: nn.Module) -> bool:
     flat = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive while any view of it lives
     start = -flat.data_ptr() % HUGE_PAGE
     mapping.madvise(mmap.MADV_HUGEPAGE, start, len(mapping) - start)
-    offset = start
+    offset, freed = start, 0
     with torch.no_grad():
         for t, size in zip(tensors, sizes):
             view = flat[offset: offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             view.copy_(t)
             t.data = view
-            offset += size
+            offset, freed = offset + size, freed + size
+            if freed >= RELEASE_EVERY:  # the old storage, which glibc keeps under keep_freed_memory
+                release_freed_memory()
+                freed = 0
+    release_freed_memory()
     return True

@@ -57,6 +57,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/train.py --quick
 	$(PY) benchmarks/train_ops.py --rounds 2
 	$(PY) benchmarks/decode.py --quick
+	$(PY) benchmarks/decode.py --dtypes --quick
 	$(PY) benchmarks/decode_kernels.py --quick
 	$(PY) benchmarks/vision.py --quick
 	$(PY) benchmarks/scale_out.py --quick

@@ -20,7 +20,9 @@ Formats (--formats), each a pair of the same weights in one form on both sides:
   MXFP4 routed experts, BF16 everywhere else (the override keeps no tensor at the Q8_0 base type).
 
 Each k3 form runs in a process of its own (so its peak RSS is its own); llama.cpp runs as `llama-bench`, whose
-peak RSS is read from the kernel when it exits (wait4). Both peaks include the caches of the deepest context.
+peak RSS is read from the kernel when it exits (wait4). Both peaks include the caches of the deepest context and
+the working memory of filling them; k3's resident size right after loading (weights, torch) is printed beside its
+peak.
 
 Before timing, the last-position logits of a few short prompts (tokenised by llama.cpp, `llama-debug
 --save-logits`) are compared with k3's on the same ids, per format: top-1 agreement and max |Δ|. A random-init
@@ -257,8 +259,9 @@ def worker(model_dir: str, fmt: str, gguf: str, bin_dir: str, threads: str, cont
     spec = FORMATS[fmt]
     model = K3ForCausalLM.from_pretrained(model_dir, dtype=spec.dtype, experts=spec.experts).eval()
     huge = huge_page_weights(model)  # as `k3 generate` does
+    loaded_rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
     answer = {"check": check_logits(model, Path(gguf), Path(bin_dir), int(threads)), "huge_pages": huge,
-              "params_M": sum(p.numel() for p in model.parameters()) / 1e6}
+              "params_M": sum(p.numel() for p in model.parameters()) / 1e6, "loaded_rss": loaded_rss}
     speeds = {int(d): K3Speeds(model, int(d), int(n_prompt), int(n_gen)) for d in contexts.split(",")}
     print(REPLY + json.dumps(answer), flush=True)
     for line in sys.stdin:
@@ -302,15 +305,14 @@ def main():
     parser.add_argument("--pydeps", default=DEFAULT_PYDEPS, help="the converter's extra Python packages "
                         f"(default {DEFAULT_PYDEPS}, or $K3_LLAMA_CPP_PYDEPS)")
     parser.add_argument("--model", type=Path, help="a k3 model directory (default: random-init k3-small)")
-    parser.add_argument("--formats", nargs="+", choices=tuple(FORMATS), help="weight formats (default: all; "
-                        "--quick: f32)")
+    parser.add_argument("--formats", nargs="+", choices=tuple(FORMATS), help="weight formats (default: all)")
     parser.add_argument("--contexts", type=int, nargs="+", help="context depths (default 512 8192; --quick 512)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="pp 64, tg 8, 1 round: checks the pipeline")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the full run (default 3)")
     args = parser.parse_args()
     contexts = args.contexts or ([512] if args.quick else [512, 8192])
-    formats = args.formats or (["f32"] if args.quick else list(FORMATS))
+    formats = args.formats or list(FORMATS)
     n_prompt, n_gen, rounds = (64, 8, 1) if args.quick else (512, 64, args.rounds)
 
     build = Path(args.llama_cpp)
@@ -375,8 +377,8 @@ def main():
     for f in formats:
         ready = workers[f].ready
         print(f"{FORMATS[f].label}: GGUF {ggufs[f].name}; k3 weights on {'2 MiB' if ready['huge_pages'] else '4 KiB'} "
-              f"pages; logits on {len(PROMPTS)} prompts: {ready['check']}; peak RSS k3 {our_rss[f]:.2f} GiB, "
-              f"llama.cpp {their_rss[f]:.2f} GiB")
+              f"pages; logits on {len(PROMPTS)} prompts: {ready['check']}; peak RSS k3 {our_rss[f]:.2f} GiB (resident "
+              f"after loading {ready['loaded_rss']:.2f} GiB), llama.cpp {their_rss[f]:.2f} GiB")
     print()
     print_table(["format", "context", "k3 decode tok/s", "llama.cpp decode tok/s", "ratio", "k3 prefill tok/s",
                  "llama.cpp prefill tok/s", "ratio"], rows, "llrrrrrr")

@@ -49,7 +49,7 @@ def test_the_kernel_sources_ship_with_the_package():
     ops = root / "src" / "k3" / "ops"
     headers = {include for source in compiled.KERNELS.values()
                for include in re.findall(r'#include "(.+)"', (ops / source).read_text())}
-    assert headers == {"kernel_math.h", "matvec.h"}
+    assert headers == {"kernel_math.h", "matvec.h", "mxfp4.h"}
     for source in [*compiled.KERNELS.values(), *headers]:
         path = ops / source
         package = ".".join(path.parent.relative_to(root / "src").parts)

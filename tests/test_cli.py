@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from k3.checkpoint.quantization import with_experts_format
+from k3 import cli
 from k3.cli import caption_accuracy_line, main
 from k3.inference import generate
 from k3.config import K3Config
@@ -149,6 +151,45 @@ def test_generate_streams_the_greedy_continuation(checkpoint, capsys):
     expected = generate(model, ids, 12, temperature=0, eos_token_id=stops)[0, ids.shape[1]:].tolist()
     # a stop token ends the continuation and is not printed
     assert out == "the quick" + tokenizer.decode([t for t in expected if t not in stops]) + "\n"
+
+
+def test_generate_prompt_file_prefills_in_chunks_and_reports_its_phases(checkpoint, tmp_path, capsys, monkeypatch):
+    """`--prompt-file`: the file's text continued as `--prompt` continues it, prefilled 8 tokens per call (the chunk
+    made small here), and one stderr line with each phase's tokens and tok/s and the peak RSS."""
+    path = str(checkpoint[0])
+    text = "the quick brown fox jumps over the lazy dog " * 3
+    (tmp_path / "prompt.txt").write_text(text, encoding="utf-8")
+    assert main(["generate", path, "--prompt", text, "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    expected = capsys.readouterr().out
+    calls = []
+    real_generate = cli.generate
+    monkeypatch.setattr(cli, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(cli, "generate", lambda *a, **k: calls.append(k["prefill_chunk"]) or real_generate(*a, **k))
+    assert main(["generate", path, "--prompt-file", str(tmp_path / "prompt.txt"), "--max-new-tokens", "5",
+                 "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == expected and calls == [8]
+    T = len(checkpoint[2].encode(text))
+    assert re.search(rf"prefill {T:,} tokens in [0-9.]+ s \([0-9.,]+ tok/s\); decode [0-9]+ tokens in [0-9.]+ s "
+                     r"\([0-9.,]+ tok/s\); peak RSS [0-9.]+ GiB", captured.err), captured.err
+
+
+@pytest.mark.parametrize("case", ["missing", "not utf-8", "both"])
+def test_generate_prompt_file_errors_are_one_line(checkpoint, tmp_path, capsys, case):
+    path, prompt = str(checkpoint[0]), tmp_path / "prompt.txt"
+    if case == "not utf-8":
+        prompt.write_bytes(b"caf\xe9")
+    args, message = ["--prompt-file", str(prompt)], {"missing": "prompt.txt", "not utf-8": "not UTF-8"}.get(case)
+    if case == "both":
+        prompt.write_text("x")
+        args, message = args + ["--prompt", "y"], "not allowed with argument"
+    if case == "both":  # a usage error: argparse exits
+        with pytest.raises(SystemExit, match="2"):
+            main(["generate", path, *args])
+    else:
+        assert main(["generate", path, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
 def test_generate_is_reproducible_with_a_seed(checkpoint, capsys):

@@ -30,15 +30,17 @@ from pathlib import Path
 
 import torch
 from torch.distributed import DistError
+from tqdm import tqdm
 
 from k3.checkpoint.io import DEFAULT_MAX_SHARD_SIZE
 from k3.config import PRESETS, K3Config
 from k3.fileio import describe_error
 from k3.inference import generate
+from k3.inference.generate import PREFILL_CHUNK
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 from k3.checkpoint.quantization import EXPERT_FORMS, with_experts_format
 from k3.model.accounting import CONTEXTS, EXPERT_FORMATS, architecture_report, human, published_comparison
-from k3.runtime import huge_page_weights, keep_freed_memory
+from k3.runtime import huge_page_weights, keep_freed_memory, peak_rss_gib
 from k3.tokenizer import K3Tokenizer
 
 _LABELS = {
@@ -201,6 +203,8 @@ class TextStreamer:
 def cmd_generate(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.checkpoint):
         raise ValueError(f"checkpoint directory {args.checkpoint!r} does not exist")
+    if args.prompt_file is not None:
+        args.prompt = _read_prompt_file(args.prompt_file)
     if not args.prompt:
         raise ValueError("the prompt is empty")
     tokenizer = K3Tokenizer.load(args.checkpoint)
@@ -237,9 +241,49 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = torch.tensor([tokenizer.encode(args.prompt)])
     stops = [t for t in (tokenizer.eos_token_id, tokenizer.eod_token_id) if t is not None]
     print(args.prompt, end="", flush=True)
-    generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-             eos_token_id=stops or None, seed=args.seed, streamer=TextStreamer(tokenizer, skip_ids=stops), **media)
+    T, phases = ids.shape[1], PhaseTimer()
+    with tqdm(total=T, unit="tok", desc="prefill", file=sys.stderr, leave=False,
+              disable=args.prompt_file is None or T <= PREFILL_CHUNK) as bar:
+        def prefilled(n: int) -> None:
+            bar.update(n - bar.n)
+            if n == T:
+                phases.mark()
+        out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, eos_token_id=stops or None, seed=args.seed,
+                       streamer=TextStreamer(tokenizer, skip_ids=stops), prefill_chunk=PREFILL_CHUNK,
+                       on_prefill=prefilled, **media)
+    if args.prompt_file is not None:
+        print(phases.report(T, out.shape[1] - T), file=sys.stderr)
     return 0
+
+
+def _read_prompt_file(path: str) -> str:
+    """A prompt file's text; a missing, unreadable or non-UTF-8 file is a one-line ValueError naming it."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"prompt file {path}: not UTF-8 text (byte {err.start})") from None
+    except OSError as err:
+        raise ValueError(f"prompt file {path}: {describe_error(err)}") from None
+
+
+class PhaseTimer:
+    """Wall time of a generation's prefill (start to `mark()`) and decode (`mark()` to `report`)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.prefilled = None
+
+    def mark(self) -> None:
+        self.prefilled = time.perf_counter()
+
+    def report(self, prompt_tokens: int, new_tokens: int) -> str:
+        """One line: each phase's tokens, seconds and tokens/s, and the process's peak resident memory."""
+        end = time.perf_counter()
+        prefilled = self.prefilled or end
+        phases = [("prefill", prompt_tokens, prefilled - self.start), ("decode", new_tokens, end - prefilled)]
+        parts = [f"{name} {n:,} tokens in {s:.2f} s ({n / s if s > 0 else 0:,.1f} tok/s)" for name, n, s in phases]
+        return "; ".join(parts) + f"; peak RSS {peak_rss_gib():.2f} GiB"
 
 
 def _assignments(items: list[str] | None, option: str, form: str, parse) -> dict | None:
@@ -544,7 +588,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("generate", parents=[debug],
                        help="stream a continuation of a prompt from a checkpoint directory")
     p.add_argument("checkpoint", help="directory with config.json, safetensors weights and the tokenizer files")
-    p.add_argument("--prompt", required=True, help="text to continue")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text to continue")
+    prompt.add_argument("--prompt-file", metavar="FILE", help="UTF-8 text file to continue (a long prompt: prefilled "
+                        f"{PREFILL_CHUNK:,} tokens per call with a progress bar, then the time and "
+                        "tokens/s of each phase and the peak RSS on stderr)")
     p.add_argument("--image", action="append", help="image file(s) for a multimodal checkpoint (repeatable); "
                    "placed before the prompt unless it contains <|kimi_image_placeholder|>")
     p.add_argument("--max-new-tokens", type=_count(0), default=100)

@@ -96,3 +96,13 @@ def huge_page_weights(module: nn.Module) -> bool:
                 freed = 0
     release_freed_memory()
     return True
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory in GiB (Linux VmHWM: this program's own, unlike ru_maxrss, which can
+    carry the peak of the process that started it); 0.0 where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
+    except (OSError, StopIteration, ValueError):
+        return 0.0

@@ -235,3 +235,21 @@ def test_decode_steps_do_not_revalidate(model, monkeypatch):
     monkeypatch.setattr(model, "check_input_ids", lambda ids: calls.append(ids.shape) or check(ids))
     generate(model, prompts(2, 3), 5, temperature=0)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_chunked_prefill_equals_one_call(model, chunk):
+    """A prompt prefilled `chunk` positions per call (left-padded batch, ragged lengths) continues greedily as the
+    one-call prefill does, reporting each call's progress."""
+    x = prompts(2, 7)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    seen = []
+    out = generate(model, x, 6, temperature=0, attention_mask=mask, prefill_chunk=chunk, on_prefill=seen.append)
+    assert torch.equal(out, generate(model, x, 6, temperature=0, attention_mask=mask))
+    assert seen == [min(end, 7) for end in range(chunk, 7 + chunk, chunk)]
+
+
+@pytest.mark.parametrize("chunk", [0, -2, 1.5, True])
+def test_a_bad_prefill_chunk_is_named(model, chunk):
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        generate(model, prompts(1, 4), 2, prefill_chunk=chunk)

@@ -22,6 +22,10 @@ import torch
 
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 
+PREFILL_CHUNK = 2048
+"""Prompt positions per prefill call of `k3 generate`: the prefill's working memory (the expanded MLA attention of
+a chunk over the context) follows the chunk, not the prompt."""
+
 FIRST_CACHE_TOKENS = 256
 """Generated positions the cache is first sized for beyond the prompt; it grows by doubling on demand, so memory
 follows the tokens really generated, not `max_new_tokens`."""
@@ -106,7 +110,8 @@ def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | Sequence[int] | None = None, attention_mask: torch.Tensor | None = None,
              seed: int | None = None, streamer: Callable[[torch.LongTensor], Any] | Any | None = None,
-             pixel_values: torch.Tensor | None = None, grid_thws: torch.Tensor | None = None) -> torch.LongTensor:
+             pixel_values: torch.Tensor | None = None, grid_thws: torch.Tensor | None = None,
+             prefill_chunk: int | None = None, on_prefill: Callable[[int], Any] | None = None) -> torch.LongTensor:
     """Continue each prompt of `input_ids` [B, T] by up to `max_new_tokens`; returns [B, T + n], n ≤ max_new_tokens.
 
     The prompt is prefilled in one call on a fresh cache, then one token per step is decoded with the cache.
@@ -123,9 +128,16 @@ def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch
       via `streamer.put(tokens)` when it has `put` (then `streamer.end()` once at the end), else `streamer(tokens)`.
     * `pixel_values`, `grid_thws` (a `K3ForConditionalGeneration` only): the prompt's media, encoded in the
       prefill. A multimodal model never samples its media placeholder (no media could follow it).
+    * `prefill_chunk`: prefill a text prompt `prefill_chunk` positions per call (KDA states carried, MLA latents
+      appended: the same caches and logits as one call, to fp32 rounding), so the prefill's working memory is
+      bounded by the chunk, not the prompt. None: one call. A prompt with media is one call.
+    * `on_prefill`: called with the number of prompt positions prefilled so far after each prefill call.
     """
     _check_sampling_args(temperature, top_k, top_p)
     _check_generate_args(model, input_ids, max_new_tokens, attention_mask, seed)
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be an integer >= 1 or None, got {prefill_chunk!r}")
     prefill_inputs, suppress_ids = {}, []
     if isinstance(model, K3ForConditionalGeneration):
         prefill_inputs = {"pixel_values": pixel_values, "grid_thws": grid_thws}
@@ -143,8 +155,14 @@ def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch
     new_tokens: list[torch.Tensor] = []
     if max_new_tokens > 0:
         cache = model.make_cache(B, capacity=T + min(max_new_tokens, FIRST_CACHE_TOKENS))
-        logits_BO = model(input_ids, cache=cache, attention_mask=attention_mask, validate=False,
-                          **prefill_inputs).logits[:, -1]  # input_ids were checked above
+        chunk = T if prefill_chunk is None or prefill_inputs else prefill_chunk
+        for start in range(0, T, chunk):  # input_ids were checked above
+            end = min(start + chunk, T)
+            logits_BO = model(input_ids[:, start:end], cache=cache, validate=False,
+                              attention_mask=None if attention_mask is None else attention_mask[:, :end],
+                              **prefill_inputs).logits[:, -1]
+            if on_prefill is not None:
+                on_prefill(end)
         for step in range(max_new_tokens):
             if suppress.numel():
                 logits_BO = logits_BO.index_fill(-1, suppress, -math.inf)

@@ -77,7 +77,7 @@ import torch
 from common import CpuWait, machine, print_table
 from decode import Prefill, restore, snapshot
 from k3.config import K3Config
-from k3.runtime import huge_page_weights
+from k3.runtime import huge_page_weights, peak_rss_gib
 from k3.inference.generate import sample_next_token
 from k3.model import K3ForCausalLM
 from k3.tokenizer import K3Tokenizer, train_bpe
@@ -266,10 +266,8 @@ def worker(model_dir: str, fmt: str, gguf: str, bin_dir: str, threads: str, cont
     speeds = {int(d): K3Speeds(model, int(d), int(n_prompt), int(n_gen)) for d in contexts.split(",")}
     print(REPLY + json.dumps(answer), flush=True)
     for line in sys.stdin:
-        if line.strip() == "rss":  # VmHWM: this process's own peak (ru_maxrss can carry the parent's)
-            peak_kib = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
-                            if line.startswith("VmHWM:"))
-            answer = {"rss": peak_kib / 2**20}
+        if line.strip() == "rss":
+            answer = {"rss": peak_rss_gib()}
         else:
             answer = speeds[int(line)].once()
         print(REPLY + json.dumps(answer), flush=True)

@@ -86,9 +86,8 @@ import torch
 from k3 import runtime
 def rss():
     return int(open('/proc/self/statm').read().split()[1]) * 4096 / 2**20
-def peak():  # VmHWM: this process image's own peak (ru_maxrss can carry the forking parent's)
-    line = next(line for line in open('/proc/self/status') if line.startswith('VmHWM:'))
-    return int(line.split()[1]) / 2**10
+def peak():
+    return runtime.peak_rss_gib() * 2**10
 assert runtime.keep_freed_memory()
 runtime._thp_mode = lambda: "madvise"
 before = rss()

@@ -12,7 +12,6 @@
 #include "mxfp4.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <vector>
 
@@ -246,7 +245,6 @@ class ExpertWeight {
                       scale_->dim() == 3 && scale_->size(0) == w.size(0) && scale_->size(1) == w.size(1) &&
                       w.size(2) == 16 * scale_->size(2),
                   "decode kernel: ", what, " must be MXFP4 packed [E, out, in/2] and scale [E, out, in/32] uint8");
-      e8m0_ = k3::mxfp4::e8m0_table();
     } else {
       check(w, what);
     }
@@ -266,9 +264,10 @@ class ExpertWeight {
     if (scale_) {
       const float *xe = x, *xo = x + in / 2;
       const uint8_t *pp = w_.data_ptr<uint8_t>(), *sp = scale_->data_ptr<uint8_t>();
+      const float *e8m0 = k3::mxfp4::e8m0_table();
       for (int64_t i = 0; i < n; ++i)
         k3::mxfp4::row_dot(pp + (row + i) * (in / 2), sp + (row + i) * (in / k3::mxfp4::kGroup), in, &xe, &xo, 1,
-                           e8m0_.data(), y + i);
+                           e8m0, y + i);
       return;
     }
     typed(w_, [&](const auto *wp) { rows_dot(wp + row * in, n, in, x, y); });
@@ -277,7 +276,6 @@ class ExpertWeight {
  private:
   torch::Tensor w_;
   c10::optional<torch::Tensor> scale_;
-  std::array<float, 256> e8m0_{};
 };
 
 torch::Tensor moe_routed(const torch::Tensor &x_in, const torch::Tensor &z_in, const torch::Tensor &gate_w,

@@ -19,14 +19,18 @@
 namespace k3::mxfp4 {
 
 constexpr int64_t kGroup = 32;  // weights sharing one E8M0 exponent
-constexpr int64_t kMaxRows = 8;  // rows of x one pass over a weight row serves (the callers send at most 4)
+constexpr int64_t kMaxRows = 8;  // rows of x one pass over a weight row serves
 constexpr float kFP4[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
-// 2^(s − 127) for every E8M0 code s (s = 0 is the subnormal 2^−127; 255, NaN, is refused before the call)
-inline std::array<float, 256> e8m0_table() {
-  std::array<float, 256> t{};
-  for (int s = 0; s < 256; ++s) t[s] = std::ldexp(1.f, s - 127);
-  return t;
+// 2^(s − 127) for every E8M0 code s (s = 0 is the subnormal 2^−127; 255, NaN, is refused before the call): 256
+// floats, built once per process
+inline const float *e8m0_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int s = 0; s < 256; ++s) t[s] = std::ldexp(1.f, s - 127);
+    return t;
+  }();
+  return table.data();
 }
 
 // acc[r] += Σ over one weight row of w·x_r, for the n rows r of x given as even halves xe[r] and odd halves xo[r]

@@ -50,7 +50,7 @@ torch::Tensor expert_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor
   // the rows of x split into even and odd elements: xs [A, 2, in/2]
   auto xs = k3::mxfp4::split_even_odd(x);
   auto y = torch::empty({A, out}, x.options());
-  const auto e8m0 = e8m0_table();
+  const float *e8m0 = e8m0_table();
   const uint8_t *pp = packed.data_ptr<uint8_t>(), *sp = scale.data_ptr<uint8_t>();
   const float *xp = xs.data_ptr<float>();
   float *yp = y.data_ptr<float>();
@@ -63,7 +63,7 @@ torch::Tensor expert_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor
       const Block &b = blocks[t / out];
       const int64_t o = t % out, row = b.expert * out + o;
       for (int64_t r = 0; r < b.n; ++r) xe[r] = xp + (b.row + r) * in, xo[r] = xe[r] + in / 2;
-      row_dot(pp + row * (in / 2), sp + row * (in / kGroup), in, xe, xo, b.n, e8m0.data(), dots);
+      row_dot(pp + row * (in / 2), sp + row * (in / kGroup), in, xe, xo, b.n, e8m0, dots);
       for (int64_t r = 0; r < b.n; ++r) yp[(b.row + r) * out + o] = dots[r];
     }
   });
@@ -124,11 +124,11 @@ void dequantize(torch::Tensor packed, torch::Tensor scale, torch::Tensor out) {
                   out.numel() == 2 * packed.numel(),
               "mxfp4 kernel: out must be contiguous fp32 or bf16 with two values per packed byte");
   const int64_t bytes = packed.size(-1), in = 2 * bytes, rows = packed.numel() / std::max<int64_t>(bytes, 1);
-  const auto e8m0 = e8m0_table();
+  const float *e8m0 = e8m0_table();
   const uint8_t *pp = packed.data_ptr<uint8_t>(), *sp = scale.data_ptr<uint8_t>();
   const auto decode = [&](auto *op) {
     at::parallel_for(0, rows, std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bytes, 1)), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) decode_row(pp + r * bytes, sp + r * (in / kGroup), in, e8m0.data(), op + r * in);
+      for (int64_t r = b; r < e; ++r) decode_row(pp + r * bytes, sp + r * (in / kGroup), in, e8m0, op + r * in);
     });
   };
   if (out.scalar_type() == torch::kBFloat16)

@@ -17,7 +17,7 @@ from k3.model import fused_layer
 from k3.config import K3Config
 from k3.model.cache import KDACache, MLACache, step_context
 from k3.model import K3ForCausalLM
-from k3.model.mla import GatedMLA, attention_mask
+from k3.model.mla import GatedMLA
 from conformance import ids_for
 from routing import K3_TINY_TOL_AFTER, K3_TINY_WINDOW, assert_close_except_flips, record_routing, routing_diff
 
@@ -214,10 +214,8 @@ def test_absorbed_equals_expanded_attention(tiny_model, T, S, padded):
         key_valid = torch.ones(3, S, dtype=torch.bool)
         key_valid[1, :4] = False
         key_valid[2, : S - T - 1] = False
-    mask = attention_mask(T, S - T, key_valid, torch.device("cpu"))
-    assert (mask is None) == (S == T and not padded)
-    a = layer.attend_absorbed(q_nope, q_pe, latent, mask)
-    e = layer.attend_expanded(q_nope, q_pe, latent, mask)
+    a = layer.attend_absorbed(q_nope, q_pe, latent, key_valid)
+    e = layer.attend_expanded(q_nope, q_pe, latent, key_valid)
     assert a.shape == e.shape == (3, T, layer.num_heads, layer.config.v_head_dim)
     assert max_diff(a, e) <= 1e-12
     assert a.abs().max() > 0.1
@@ -228,10 +226,9 @@ def test_absorbed_uses_scale_of_nope_plus_rope(tiny_model):
     layer = tiny_model(seed=7).double().model.layers[3].self_attn
     assert layer.scale == (16 + 8) ** -0.5
     q_nope, q_pe, latent = random_mla_inputs(layer, 2, 9, 1, seed=1)
-    mask = attention_mask(1, 8, None, torch.device("cpu"))
-    ref = layer.attend_absorbed(q_nope, q_pe, latent, mask)
+    ref = layer.attend_absorbed(q_nope, q_pe, latent)
     layer.scale = (20 + 8) ** -0.5
-    assert max_diff(layer.attend_absorbed(q_nope, q_pe, latent, mask), ref) > 1e-3
+    assert max_diff(layer.attend_absorbed(q_nope, q_pe, latent), ref) > 1e-3
 
 
 @pytest.mark.parametrize("mla_decode", ["absorbed", "expanded"])

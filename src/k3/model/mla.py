@@ -6,14 +6,13 @@ Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architectur
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
 from k3.model.cache import MLACache, StepContext
 from k3.ops import decode
+from k3.ops.attention import attention
 from k3.ops.norm import RMSNorm
-from k3.ops.precision import fp32
 from k3.ops.rope import apply_rope, rope_angles
 from k3.ops.matvec import Linear, project
 
@@ -94,12 +93,10 @@ class GatedMLA(nn.Module):
         if cache is not None:
             cache.latent_BSL[:, ctx.start: ctx.start + T] = latent_BSL
             latent_BSL = cache.latent_BSL[:, : ctx.start + T]
-        mask_B1TS = attention_mask(T, ctx.start, ctx.key_valid_BS, x_BTD.device, ctx.document_ids_BT)
         q_nope_BTHK, q_pe_BTHR = self.project_query(x_BTD, ctx.start)
-        if cache is not None and self.config.mla_decode == "absorbed" and T <= self.absorbed_max_tokens:
-            o_BTHV = self.attend_absorbed(q_nope_BTHK, q_pe_BTHR, latent_BSL, mask_B1TS)
-        else:
-            o_BTHV = self.attend_expanded(q_nope_BTHK, q_pe_BTHR, latent_BSL, mask_B1TS)
+        absorbed = cache is not None and self.config.mla_decode == "absorbed" and T <= self.absorbed_max_tokens
+        attend = self.attend_absorbed if absorbed else self.attend_expanded
+        o_BTHV = attend(q_nope_BTHK, q_pe_BTHR, latent_BSL, ctx.key_valid_BS, ctx.document_ids_BT)
         return self.gate_and_project(x_BTD, o_BTHV)
 
     def fused_step(self, x_BTD: torch.Tensor, cache: MLACache, start: int) -> torch.Tensor:
@@ -126,8 +123,10 @@ class GatedMLA(nn.Module):
         return max(1, C * (N + cfg.v_head_dim) // (2 * (C - N)))
 
     def attend_expanded(self, q_nope_BTHK: torch.Tensor, q_pe_BTHR: torch.Tensor, latent_BSL: torch.Tensor,
-                        mask_B1TS: torch.Tensor | None) -> torch.Tensor:
-        """Expanded MHA (§4.2 steps 5–8): keys [k_nope ‖ k_pe broadcast over heads], values from ĉ."""
+                        key_valid_BS: torch.Tensor | None = None,
+                        document_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Expanded MHA (§4.2 steps 5–8): keys [k_nope ‖ k_pe broadcast over heads], values from ĉ; the T new
+        queries sit at positions S − T.. (blocked exact attention, §4.7)."""
         cfg = self.config
         B, S, _ = latent_BSL.shape
         H, N = self.num_heads, cfg.qk_nope_head_dim
@@ -136,62 +135,23 @@ class GatedMLA(nn.Module):
         # key = [k_nope ‖ k_pe broadcast over heads]; query = [q_nope ‖ q_pe] (rotated in the RoPE form only)
         key_BSHQ = torch.cat([k_nope_BSHK, k_pe_BSR[:, :, None].expand(B, S, H, -1)], dim=-1)
         query_BTHQ = torch.cat([q_nope_BTHK, q_pe_BTHR], dim=-1)
-        # SDPA's fused CPU kernel needs equal q/k and v head dims (else it falls back to materialising all
-        # scores): zero-pad v to the qk width and drop the padded output channels (exact)
-        pad = query_BTHQ.shape[-1] - v_BSHV.shape[-1]
-        o_BHTV = F.scaled_dot_product_attention(
-            query_BTHQ.transpose(1, 2), key_BSHQ.transpose(1, 2), F.pad(v_BSHV, (0, max(pad, 0))).transpose(1, 2),
-            attn_mask=mask_B1TS, is_causal=mask_B1TS is None, scale=self.scale)
-        return o_BHTV[..., : v_BSHV.shape[-1]].transpose(1, 2)
+        o_BHTV = attention(query_BTHQ.transpose(1, 2), key_BSHQ.transpose(1, 2), v_BSHV.transpose(1, 2), self.scale,
+                           key_valid_BS, document_ids_BT)
+        return o_BHTV.transpose(1, 2)
 
     def attend_absorbed(self, q_nope_BTHK: torch.Tensor, q_pe_BTHR: torch.Tensor, latent_BSL: torch.Tensor,
-                        mask_B1TS: torch.Tensor | None) -> torch.Tensor:
+                        key_valid_BS: torch.Tensor | None = None,
+                        document_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
         """MQA over the latent (§4.4): W_UK folded into the query, W_UV applied per head after attention.
 
-        score = [W_UKᵀ q_nope ‖ q_pe] · [ĉ ‖ k_pe] / sqrt(N + R); o = W_UV (Σ_s p_s ĉ_s). The latent is one key/value
-        head shared by all heads, so the heads are folded into the query axis and the latent is read once: a
-        one-token step as two GEMMs over [H, S] scores; longer calls as one SDPA call (no [H·T, S] score tensor).
+        score = [W_UKᵀ q_nope ‖ q_pe] · [ĉ ‖ k_pe] / sqrt(N + R); o = W_UV (Σ_s p_s ĉ_s): the latent is one key/value
+        head read by every head (blocked exact attention with G = 1, §4.7).
         """
         cfg = self.config
-        C, N, R = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        C, N = cfg.kv_lora_rank, cfg.qk_nope_head_dim
         W_HXc = self.kv_b_proj.weight.view(self.num_heads, N + cfg.v_head_dim, C)
         W_UK_HKc, W_UV_HVc = W_HXc[:, :N], W_HXc[:, N:]
         q_BTHL = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope_BTHK, W_UK_HKc), q_pe_BTHR], dim=-1)
-        B, T, H, L = q_BTHL.shape
-        S = latent_BSL.shape[1]
-        if T == 1:
-            scores_BHS = torch.einsum("bhl,bsl->bhs", q_BTHL[:, 0], latent_BSL) * self.scale
-            if mask_B1TS is not None:
-                scores_BHS = scores_BHS.masked_fill(~mask_B1TS[:, :, 0], float("-inf"))
-            p_BHS = torch.softmax(fp32(scores_BHS), dim=-1).to(latent_BSL.dtype)
-            o_lat_BTHc = torch.einsum("bhs,bsc->bhc", p_BHS, latent_BSL[..., :C])[:, None]
-        else:
-            q_B1XL = q_BTHL.permute(0, 2, 1, 3).reshape(B, 1, H * T, L)  # X = H·T queries, head-major
-            value_B1SL = F.pad(latent_BSL[..., :C], (0, R))[:, None]  # ĉ zero-padded to L: the fused kernel
-            if mask_B1TS is None:  # fresh unpadded sequence (S = T): plain causal within each head
-                mask_B1TS = torch.ones(T, S, dtype=torch.bool, device=q_BTHL.device).tril(S - T)[None, None]
-            mask_B1XS = mask_B1TS.expand(mask_B1TS.shape[0], H, T, S).reshape(mask_B1TS.shape[0], 1, H * T, S)
-            o_B1XL = F.scaled_dot_product_attention(q_B1XL, latent_BSL[:, None], value_B1SL, attn_mask=mask_B1XS,
-                                                    scale=self.scale)
-            o_lat_BTHc = o_B1XL[..., :C].view(B, H, T, C).transpose(1, 2)
-        return torch.einsum("bthc,hvc->bthv", o_lat_BTHc, W_UV_HVc)
-
-
-def attention_mask(T: int, start: int, key_valid_BS: torch.Tensor | None, device: torch.device,
-                   document_ids_BT: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Boolean [B|1, 1, T, start+T] mask: new token t sees positions ≤ start+t that are real tokens of its own
-    document (packed rows, §3.8).
-
-    A padding query also sees itself, so no softmax row is empty (its output is discarded anyway). Returns None
-    for a fresh, unpadded, unpacked sequence (plain causal attention).
-    """
-    if start == 0 and key_valid_BS is None and document_ids_BT is None:
-        return None
-    q_T1 = torch.arange(start, start + T, device=device)[:, None]
-    k_S = torch.arange(start + T, device=device)
-    mask_TS = k_S <= q_T1
-    if document_ids_BT is not None:
-        return (mask_TS & (document_ids_BT[:, :, None] == document_ids_BT[:, None, :]))[:, None]
-    if key_valid_BS is None:
-        return mask_TS[None, None]
-    return ((mask_TS & key_valid_BS[:, None, :]) | (k_S == q_T1))[:, None]
+        o_lat_BHTc = attention(q_BTHL.transpose(1, 2), latent_BSL[:, None], latent_BSL[:, None, :, :C], self.scale,
+                               key_valid_BS, document_ids_BT)
+        return torch.einsum("bhtc,hvc->bthv", o_lat_BHTc, W_UV_HVc)

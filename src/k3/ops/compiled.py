@@ -27,6 +27,7 @@ KERNELS = {  # name: source file, relative to this package
     "norm": "norm_kernel.cpp",  # norms and the AttnRes mix of many rows, forward and backward (k3.ops.norm)
     "loss": "loss_kernel.cpp",  # the next-token cross-entropy, forward and backward (k3.ops.loss)
     "mxfp4": "mxfp4_kernel.cpp",  # MXFP4 experts' products, each block decoded in registers (k3.ops.mxfp4)
+    "attention": os.path.join("attention", "cpu_kernel.cpp"),  # blocked causal softmax attention (k3.ops.attention)
 }
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 MAX_ROWS = 4  # the few-row kernels serve calls of at most this many rows (decoding; docs/benchmarks.md, Dec 2)

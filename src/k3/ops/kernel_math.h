@@ -11,7 +11,30 @@
 #include <cstdint>
 #include <vector>
 
+extern "C" {
+void sgemm_(const char *ta, const char *tb, const int *m, const int *n, const int *k, const float *alpha,
+            const float *a, const int *lda, const float *b, const int *ldb, const float *beta, float *c,
+            const int *ldc);
+void dgemm_(const char *ta, const char *tb, const int *m, const int *n, const int *k, const double *alpha,
+            const double *a, const int *lda, const double *b, const int *ldb, const double *beta, double *c,
+            const int *ldc);
+}
+
 namespace k3 {
+
+// Row-major C[m×n] = alpha · op(A)[m×k] · op(B)[k×n] + beta · C (op = transpose when ta / tb), through the
+// column-major BLAS: the row-major C is the column-major Cᵀ = op(B)ᵀ op(A)ᵀ.
+inline void gemm(bool ta, bool tb, int m, int n, int k, float alpha, const float *A, int lda, const float *B,
+                 int ldb, float beta, float *C, int ldc) {
+  const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
+  sgemm_(&tB, &tA, &n, &m, &k, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
+}
+
+inline void gemm(bool ta, bool tb, int m, int n, int k, double alpha, const double *A, int lda, const double *B,
+                 int ldb, double beta, double *C, int ldc) {
+  const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
+  dgemm_(&tB, &tA, &n, &m, &k, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
+}
 
 // One vector of fp32 values from p: fp32 as stored, bf16 widened by a 16-bit shift (exact, so a bf16 weight's
 // products are the fp32 products of its values; ATen's conversion for the capability the kernel is built for)

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3.model.mla import GatedMLA, attention_mask
+from k3.model.mla import GatedMLA
+from k3.ops.attention import attention_mask
 from k3.model.observer import ForwardObserver
 from k3.ops.precision import fp32
 

@@ -1,7 +1,7 @@
 // The chunkwise KDA core for CPUs (docs/architecture.md §3.5, §3.6): the algorithm of `function.py`'s
 // `ChunkKDAFunction` for K3's bounded gates, one (batch, head) at a time and one chunk at a time, so every
 // intermediate lives in a few chunk-sized buffers that stay in the core's cache. Matrix products go to the BLAS that
-// PyTorch links (MKL's sgemm_/dgemm_); the element-wise steps are plain loops the compiler vectorises.
+// PyTorch links (`k3::gemm`, kernel_math.h); the element-wise steps are plain loops the compiler vectorises.
 //
 // Decays come as products of e^g (given, from PyTorch's vectorised exp) instead of exponentials of sums: e^{b_r} is
 // the running product of e^{g_i}, e^{b_a − b_j} the product of the e^{g_i} in between. A product that falls below
@@ -24,30 +24,9 @@
 #include <limits>
 #include <vector>
 
-extern "C" {
-void sgemm_(const char *ta, const char *tb, const int *m, const int *n, const int *k, const float *alpha,
-            const float *a, const int *lda, const float *b, const int *ldb, const float *beta, float *c,
-            const int *ldc);
-void dgemm_(const char *ta, const char *tb, const int *m, const int *n, const int *k, const double *alpha,
-            const double *a, const int *lda, const double *b, const int *ldb, const double *beta, double *c,
-            const int *ldc);
-}
-
 namespace {
 
-// Row-major C[m×n] = alpha · op(A)[m×k] · op(B)[k×n] + beta · C (op = transpose when ta / tb), through the
-// column-major BLAS: the row-major C is the column-major Cᵀ = op(B)ᵀ op(A)ᵀ.
-void gemm(bool ta, bool tb, int m, int n, int k, float alpha, const float *A, int lda, const float *B, int ldb,
-          float beta, float *C, int ldc) {
-  const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
-  sgemm_(&tB, &tA, &n, &m, &k, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
-}
-
-void gemm(bool ta, bool tb, int m, int n, int k, double alpha, const double *A, int lda, const double *B, int ldb,
-          double beta, double *C, int ldc) {
-  const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
-  dgemm_(&tB, &tA, &n, &m, &k, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
-}
+using k3::gemm;
 
 template <typename T> T flushed(T x) {  // 0 below ε², as `_exp_decay`
   constexpr T eps = std::numeric_limits<T>::epsilon();

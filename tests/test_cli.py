@@ -154,8 +154,8 @@ def test_generate_streams_the_greedy_continuation(checkpoint, capsys):
 
 
 def test_generate_prompt_file_prefills_in_chunks_and_reports_its_phases(checkpoint, tmp_path, capsys, monkeypatch):
-    """`--prompt-file`: the file's text continued as `--prompt` continues it, prefilled 8 tokens per call (the chunk
-    made small here), and one stderr line with each phase's tokens and tok/s and the peak RSS."""
+    """`--prompt-file`: the file's text continued as `--prompt` continues it (the continuation alone on stdout, the
+    prompt not echoed), prefilled 8 tokens per call (the chunk made small here), and one stderr line with each phase's tokens and tok/s and the peak RSS."""
     path = str(checkpoint[0])
     text = "the quick brown fox jumps over the lazy dog " * 3
     (tmp_path / "prompt.txt").write_text(text, encoding="utf-8")
@@ -168,7 +168,7 @@ def test_generate_prompt_file_prefills_in_chunks_and_reports_its_phases(checkpoi
     assert main(["generate", path, "--prompt-file", str(tmp_path / "prompt.txt"), "--max-new-tokens", "5",
                  "--temperature", "0"]) == 0
     captured = capsys.readouterr()
-    assert captured.out == expected and calls == [8]
+    assert text + captured.out == expected and calls == [8]
     T = len(checkpoint[2].encode(text))
     assert re.search(rf"prefill {T:,} tokens in [0-9.]+ s \([0-9.,]+ tok/s\); decode [0-9]+ tokens in [0-9.]+ s "
                      r"\([0-9.,]+ tok/s\); peak RSS [0-9.]+ GiB", captured.err), captured.err

@@ -158,6 +158,20 @@ def test_preset_keeps_k3_structure(name):
     assert c.mla_use_nope and c.gate_lower_bound == -5.0 and c.hidden_act == "situ"
 
 
+def test_long_preset_is_k3_small_with_narrow_mla():
+    """k3-long: the 3:1 schedule at 8 layers ([KDA,KDA,KDA,MLA]×2) and k3-small's widths but for MLA, narrowed to
+    2 heads of 16 + 8 over a 16 + 8 latent (its prefill's T²/2 attention pairs per layer, docs/long-context.md)."""
+    long, small = K3Config.from_preset("k3-long"), K3Config.from_preset("k3-small")
+    assert long.layer_types == ["kda", "kda", "kda", "mla"] * 2
+    mla = {"num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+           "qk_rope_head_dim": 8, "v_head_dim": 16}
+    assert {k: getattr(long, k) for k in mla} == mla
+    same = set(PRESETS["k3-small"]) - set(mla) - {"num_hidden_layers", "layer_types", "kda_layers",
+                                                  "full_attn_layers", "linear_attn_config"}
+    assert {k: getattr(long, k) for k in same} == {k: getattr(small, k) for k in same}
+    assert long.mla_use_nope and long.mla_use_output_gate
+
+
 def test_full_preset_is_the_release():
     """k3-full has the released schedule: 69 KDA + 24 MLA, MLA at 1-based 4, 8, …, 92, 93 (§1.1, §1.4)."""
     c = K3Config.from_preset("k3-full")

@@ -240,7 +240,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         ids = torch.tensor([tokenizer.encode(args.prompt)])
     stops = [t for t in (tokenizer.eos_token_id, tokenizer.eod_token_id) if t is not None]
-    print(args.prompt, end="", flush=True)
+    if args.prompt_file is None:  # a prompt file is not echoed: stdout is the continuation alone
+        print(args.prompt, end="", flush=True)
     T, phases = ids.shape[1], PhaseTimer()
     with tqdm(total=T, unit="tok", desc="prefill", file=sys.stderr, leave=False,
               disable=args.prompt_file is None or T <= PREFILL_CHUNK) as bar:
@@ -592,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt.add_argument("--prompt", help="text to continue")
     prompt.add_argument("--prompt-file", metavar="FILE", help="UTF-8 text file to continue (a long prompt: prefilled "
                         f"{PREFILL_CHUNK:,} tokens per call with a progress bar, then the time and "
-                        "tokens/s of each phase and the peak RSS on stderr)")
+                        "tokens/s of each phase and the peak RSS on stderr; stdout: the continuation alone)")
     p.add_argument("--image", action="append", help="image file(s) for a multimodal checkpoint (repeatable); "
                    "placed before the prompt unless it contains <|kimi_image_placeholder|>")
     p.add_argument("--max-new-tokens", type=_count(0), default=100)

@@ -707,6 +707,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "routed_expert_hidden_size": 256, "attn_res_block_size": 4, "kda_chunk_size": 32, "bos_token_id": None,
         "eos_token_id": None, "pad_token_id": None,
     },
+    # k3-small's width at 8 layers = [K,K,K,M]x2 (K3's 3:1 schedule, last layer MLA) with MLA narrowed to 2 heads of
+    # 16 + 8 over a 16 + 8 latent: a prefill's attention grows as T²/2 pairs per MLA layer, and these widths keep the
+    # 1,048,576-token prefill within an hour of two CPU cores (docs/long-context.md)
+    "k3-long": {
+        **_k3_structure(8), "vocab_size": 32768, "hidden_size": 512, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "q_lora_rank": 192, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 16, "kda_num_heads": 8, "kda_head_dim": 64,
+        "intermediate_size": 2048, "num_experts": 32, "num_experts_per_token": 4, "moe_intermediate_size": 512,
+        "routed_expert_hidden_size": 256, "attn_res_block_size": 4, "kda_chunk_size": 32, "bos_token_id": None,
+        "eos_token_id": None, "pad_token_id": None,
+    },
     # same structure, < 10M parameters; trains on a CPU: 9 layers = [K,K,K,M]x2 + M, blocks of 4 (last partial)
     "k3-tiny": {
         **_k3_structure(9), "vocab_size": 4096, "hidden_size": 128, "num_attention_heads": 4,

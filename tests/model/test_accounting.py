@@ -7,7 +7,8 @@ import torch
 
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
-from k3.model.accounting import attn_res_sources, cache_sizes, component_of, count_parameters, forward_flops_per_token
+from k3.model.accounting import (attn_res_sources, cache_sizes, component_of, count_parameters, forward_flops_per_token,
+                                 prefill_flops)
 
 D = 7168
 
@@ -105,6 +106,20 @@ def test_forward_flops(full):
     assert f1 == pytest.approx(2 * 104.19e9, rel=1e-2)
     f_long = forward_flops_per_token(config, p, 4097)
     assert f_long - f1 == 24 * 61_440 * 4096 // 2  # the average query sees half the causal context
+
+
+@pytest.mark.parametrize("tokens", [1, 4097, 1_048_576])
+def test_prefill_flops_parts_sum_to_the_per_token_count(full, tokens):
+    """The prefill's parts sum to tokens × the per-token count (up to its rounding of the causal pairs, < T/2 pairs
+    per layer); only MLA attention grows faster than T: 24 layers × 61,440 × T(T+1)/2."""
+    config, _, p = full
+    parts = prefill_flops(config, p, tokens)
+    pair_rounding = 24 * 61_440 * tokens
+    assert abs(sum(parts.values()) - tokens * forward_flops_per_token(config, p, tokens)) <= pair_rounding
+    assert parts["mla_attention"] == 24 * 61_440 * tokens * (tokens + 1) // 2
+    linear = {k: v for k, v in prefill_flops(config, p, 2 * tokens).items() if k != "mla_attention"}
+    assert linear == {k: 2 * v for k, v in parts.items() if k != "mla_attention"}
+    assert parts["moe"] == tokens * 2 * (p.activated["routed_experts"] + p.activated["moe_fixed"])
 
 
 def test_small_model_counts_match_state_dict(tiny_config):

@@ -339,3 +339,20 @@ def test_format_serve_plan_shows_the_key_numbers(full):
         serve_plan(K3Config.from_preset("k3-tiny")))
     d = json.loads(json.dumps(p.to_dict()))
     assert d["weights"] == p.weights and d["fits"] is True and d["device_bytes"] == p.device_bytes
+
+
+def test_serve_plan_prefill_flops_k3_against_k2_at_one_million_tokens(full):
+    """The serving plan carries the prefill's FLOPs by part (accounting.prefill_flops) and prints each; at 1M tokens
+    the K2 form (61 RoPE MLA layers, 64 heads of 192 + 128) spends more on attention than K3's 24 MLA layers (96
+    heads), and K3 has the smaller cache per sequence."""
+    context = 1_048_576
+    k3, k2 = serve_plan(full, context=context), serve_plan(K3Config.from_preset("kimi-k2"), context=context)
+    assert k3.prefill_flops["mla_attention"] == 24 * 2 * 96 * (192 + 128) * context * (context + 1) // 2
+    assert k2.prefill_flops["mla_attention"] == 61 * 2 * 64 * (192 + 128) * context * (context + 1) // 2
+    assert k2.prefill_flops["kda"] == 0 < k3.prefill_flops["kda"]
+    assert k2.prefill_flops["mla_attention"] > k3.prefill_flops["mla_attention"]
+    assert k3.sequence_cache < k2.sequence_cache
+    text = format_serve_plan(k3)
+    for n in k3.prefill_flops.values():
+        assert f"{n:,}" in text
+    assert f"{sum(k3.prefill_flops.values()):,}" in text and "MLA attention (causal pairs)" in text

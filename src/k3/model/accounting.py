@@ -154,9 +154,29 @@ def forward_flops_per_token(config: K3Config, params: ParamCount, context: int) 
     return matmul + mla + kda
 
 
+PREFILL_PARTS = ("kda", "mla_projections", "mla_attention", "moe", "dense_ffn", "lm_head")
+
+
+def prefill_flops(config: K3Config, params: ParamCount, tokens: int) -> dict[str, int]:
+    """Forward FLOPs of prefilling one sequence of `tokens` tokens, by part (PREFILL_PARTS): KDA (projections and
+    the chunked core), MLA projections, MLA attention (2·H·(qk + v) per causal (query, key) pair, T(T+1)/2 pairs
+    per layer: the only part that grows faster than T), the MoE (routed experts as activated, shared experts and
+    router), the dense FFN of layer 0 and the output head (logits at every position, as training computes them).
+    The parts sum to `tokens` × `forward_flops_per_token` up to its rounding of the pairs."""
+    a = params.activated
+    H, Hk, d, C = config.num_attention_heads, config.kda_num_heads, config.kda_head_dim, config.kda_chunk_size
+    n_mla = config.layer_types.count("mla")
+    kda_core = (config.num_hidden_layers - n_mla) * Hk * (6 * d * d + 3 * C * d + C * C)
+    return {"kda": tokens * (2 * a["kda"] + kda_core), "mla_projections": tokens * 2 * a["mla"],
+            "mla_attention": n_mla * 2 * H * (config.qk_head_dim + config.v_head_dim) * tokens * (tokens + 1) // 2,
+            "moe": tokens * 2 * (a["routed_experts"] + a["moe_fixed"]), "dense_ffn": tokens * 2 * a["dense_ffn"],
+            "lm_head": tokens * 2 * a["lm_head"]}
+
+
 def human(n: float, unit: str = "") -> str:
-    """A count for people: 2.78 T, 104.19 B, 5.05 M; with a `unit`, G for 10⁹ (212.23 GFLOP)."""
-    for scale, suffix in ((1e12, " T"), (1e9, " B" if not unit else " G"), (1e6, " M"), (1e3, " K")):
+    """A count for people: 2.78 T, 104.19 B, 5.05 M; with a `unit`, G for 10⁹ and P for 10¹⁵ (212.23 GFLOP)."""
+    scales = ((1e15, " P"),) if unit else ()
+    for scale, suffix in (*scales, (1e12, " T"), (1e9, " B" if not unit else " G"), (1e6, " M"), (1e3, " K")):
         if n >= scale:
             return f"{n / scale:.2f}{suffix}{unit}"
     return f"{n:.0f} {unit}".rstrip()

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from k3.config import K3Config
-from k3.model.accounting import CONTEXTS, VISION_COMPONENTS, cache_sizes, meta_model, weight_bytes
+from k3.model.accounting import (CONTEXTS, VISION_COMPONENTS, cache_sizes, count_parameters, human, meta_model,
+                                 prefill_flops, weight_bytes)
 from k3.parallel.plan import (GIB, USABLE_FRACTION, require_positive_gib, require_positive_int,
                               require_usable_fraction)
 
@@ -46,6 +47,7 @@ class ServePlan:
     usable_fraction: float
     experts_per_device: int  # of each MoE layer, on the fullest device
     device_bytes: dict[str, int]  # the fullest device: "routed_experts", "other_weights", "caches"
+    prefill_flops: dict[str, int]  # prefilling one sequence of `context` tokens, by part (accounting.PREFILL_PARTS)
 
     @property
     def weights(self) -> int:
@@ -133,7 +135,8 @@ def serve_plan(config: K3Config, experts: str = "mxfp4", context: int = DEFAULT_
     `context` tokens, and what the fullest GPU of a `gpus` mesh or a host holds (layout: module docstring); the
     format is checked by `weight_bytes`."""
     validate_serving(context, batch, gpus, gpu_memory_gib, host_memory_gib, usable_fraction)
-    sizes = weight_bytes(meta_model(config), config, experts)
+    model = meta_model(config)
+    sizes = weight_bytes(model, config, experts)
     cache = cache_sizes(config).parts_at(context)
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
     routed = moe_layers * config.num_experts
@@ -148,7 +151,8 @@ def serve_plan(config: K3Config, experts: str = "mxfp4", context: int = DEFAULT_
     return ServePlan(experts=experts, context=context, batch=batch, weight_bytes=sizes, routed_experts=routed,
                      experts_per_layer=config.num_experts, expert_bytes=expert_bytes, cache_bytes=cache,
                      target=target, devices=devices, memory_gib=None if memory is None else float(memory),
-                     usable_fraction=float(usable_fraction), experts_per_device=per_layer, device_bytes=device)
+                     usable_fraction=float(usable_fraction), experts_per_device=per_layer, device_bytes=device,
+                     prefill_flops=prefill_flops(config, count_parameters(model, config), context))
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -201,4 +205,18 @@ def format_serve_plan(p: ServePlan) -> str:
               _row(f"one sequence ({p.sequence_cache / GIB:,.2f} GiB)", p.sequence_cache),
               _row(f"batch of {p.batch:,} sequence{'s' if p.batch > 1 else ''}", p.caches),
               _row("weights + caches", p.total, indent=0)]
-    return "\n".join(lines + _target_lines(p))
+    return "\n".join(lines + _prefill_lines(p) + _target_lines(p))
+
+
+_PREFILL_LABELS = {"kda": "KDA (projections + chunked core)", "mla_projections": "MLA projections",
+                   "mla_attention": "MLA attention (causal pairs)", "moe": "MoE (activated experts, shared, router)",
+                   "dense_ffn": "dense FFN (layer 0)", "lm_head": "output head (logits at every position)"}
+
+
+def _prefill_lines(p: ServePlan) -> list[str]:
+    """Forward FLOPs of prefilling one sequence of `p.context` tokens, by part, with each part's share."""
+    total = sum(p.prefill_flops.values())
+    return [f"{f'prefill of one sequence of {p.context:,} tokens':<54}{'FLOPs':>22}{'share':>8}",
+            *(f"  {_PREFILL_LABELS[k]:<52}{n:>22,}{n / total:>8.1%}  {human(n, 'FLOP')}"
+              for k, n in p.prefill_flops.items()),
+            f"{'all':<54}{total:>22,}{'':>8}  {human(total, 'FLOP')}"]

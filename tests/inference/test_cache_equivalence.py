@@ -15,7 +15,7 @@ import torch
 import k3.model.kda as kda_module
 from k3.model import fused_layer
 from k3.config import K3Config
-from k3.model.cache import KDACache, MLACache, step_context
+from k3.model.cache import PAGE_TOKENS, K3Cache, KDACache, MLACache, step_context
 from k3.model import K3ForCausalLM
 from k3.model.mla import GatedMLA
 from conformance import ids_for
@@ -369,6 +369,25 @@ def test_length_increments_and_capacity_grows(tiny_model):
     grown_logits, grown = run_pieces(model, ids[:, :70], [70], capacity=4)
     assert grown.capacity >= 70
     assert max_diff(grown_logits, model(ids[:, :70]).logits) <= 1e-10
+
+
+def test_cache_grows_in_pages_never_doubling():
+    """Growth is in whole pages of PAGE_TOKENS positions, by at least an eighth of the capacity: appending one
+    position at a time to 100 pages copies O(1) per position on average and never holds more than an eighth plus a
+    page beyond the text (a doubling cache would hold up to twice the text)."""
+    config = K3Config.from_preset("k3-tiny")
+    cache = K3Cache(config, 1, torch.float32, capacity=4)
+    growths = 0
+    for length in range(1, 100 * PAGE_TOKENS, 97):
+        before = cache.capacity
+        cache.reserve(length)
+        if cache.capacity != before:
+            growths += 1
+            assert cache.capacity % PAGE_TOKENS == 0 and cache.capacity >= before + before // 8
+        assert length <= cache.capacity <= length + length // 8 + PAGE_TOKENS
+        assert all(layer.latent_BSL.shape[1] == cache.capacity for layer in cache.layers
+                   if isinstance(layer, MLACache))
+    assert growths <= 30  # geometric: ~log_{9/8}(100) + a few first pages, not one per page
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

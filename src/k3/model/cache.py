@@ -20,6 +20,9 @@ from k3.config import K3Config
 from k3.model.observer import ForwardObserver
 
 
+PAGE_TOKENS = 2048  # the cache's unit of growth (positions)
+
+
 @dataclass
 class KDACache:
     conv_state_B3WP: torch.Tensor  # last W−1 projected inputs of the q, k, v streams (activation dtype)
@@ -28,14 +31,14 @@ class KDACache:
 
 @dataclass
 class MLACache:
-    latent_BSL: torch.Tensor  # [ĉ ‖ k_pe] per position, preallocated to the cache capacity
+    latent_BSL: torch.Tensor  # [ĉ ‖ k_pe] per position, allocated to the cache capacity
 
 
 class K3Cache:
     """Per-layer caches of one batch of sequences, with explicit positions (gpt-fast style).
 
-    MLA latents and `key_mask` are preallocated to `capacity` positions and grow by doubling when a call needs
-    more. Make one with `K3ForCausalLM.make_cache(batch_size)`.
+    MLA latents and `key_mask` are allocated for `capacity` positions and grow in pages (`reserve`) when a call
+    needs more. Make one with `K3ForCausalLM.make_cache(batch_size)`.
     """
 
     def __init__(self, config: K3Config, batch_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -59,10 +62,13 @@ class K3Cache:
         return self.key_mask_BS.shape[1]
 
     def reserve(self, length: int) -> None:
-        """Make room for `length` positions in total (doubling, so appends are amortised O(1))."""
+        """Make room for `length` positions in total: the capacity grows in whole pages of PAGE_TOKENS positions,
+        by at least an eighth of what it holds (so appends stay amortised O(1) while at most an eighth plus a page
+        is held beyond the text: a 1M-token cache never doubles to 2M)."""
         if length <= self.capacity:
             return
-        new = max(length, 2 * self.capacity)
+        wanted = max(length, self.capacity + self.capacity // 8)
+        new = -(-wanted // PAGE_TOKENS) * PAGE_TOKENS
         self.key_mask_BS = _grow(self.key_mask_BS, new)
         for layer in self.layers:
             if isinstance(layer, MLACache):

@@ -102,12 +102,12 @@ def test_other_calls_are_left_to_the_torch_ops(monkeypatch, case):
         assert decode.attn_res_mix(sources, norm.weight, proj.weight[0], 1e-5) is None
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_mla_step_matches_the_formula_over_long_caches(threads):
-    """`mla_step` over 300 of 320 cached positions (several 64-row blocks, split over the threads), 3 heads (a
-    partial block of eight), B = 2, distinct widths (N 5, R 6, C 20, Vh 7), with and without the gate: the
-    float64 formula softmax([W_UKᵀ q_nope ‖ q_pe]·latent·scale) → W_UV Σ p ĉ → σ(gate)."""
-    B, H, N, R, C, Vh, S = 2, 3, 5, 6, 20, 7, 300
+@pytest.mark.parametrize("threads,H", [(1, 3), (2, 3), (2, 1), (2, 2), (2, 4), (2, 5), (2, 8), (2, 9)])
+def test_mla_step_matches_the_formula_over_long_caches(threads, H):
+    """`mla_step` over 300 of 320 cached positions (several blocks, split over the threads), H heads (blocks of 1,
+    2, 4 or 8 heads, partly padded for 3, 5 and 9), B = 2, distinct widths (N 5, R 6, C 20, Vh 7), with and without
+    the gate: the float64 formula softmax([W_UKᵀ q_nope ‖ q_pe]·latent·scale) → W_UV Σ p ĉ → σ(gate)."""
+    B, N, R, C, Vh, S = 2, 5, 6, 20, 7, 300
     q, latent = randn(B, 1, H, N + R, seed=20), randn(B, 320, C + R, seed=21)
     kv_b, gate = randn(H * (N + Vh), C, seed=22, scale=0.3), randn(B, 1, H * Vh, seed=23)
     W = kv_b.double().view(H, N + Vh, C)

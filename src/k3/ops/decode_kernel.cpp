@@ -332,54 +332,55 @@ torch::Tensor moe_routed_op(const torch::Tensor &x, const torch::Tensor &z, cons
                     ExpertWeight(w2, s2, "w2"), k, renormalize, scaling, situ, beta1, beta2);
 }
 
-constexpr int64_t kHeads = 8;   // heads whose sums one pass over the latent rows accumulates together
+constexpr int64_t kHeads = 8;   // most heads whose sums one pass over the latent rows accumulates together
 constexpr int64_t kBlock = 16;  // latent rows per block: their scores, then their weighted sum, while in L1
 constexpr int64_t kSplit = 256;  // latent rows per task; the tasks' partial softmaxes are merged at the end
 
-// out[h] = q[h] · row for kHeads query rows q [kHeads, n]: the row (fp32 or bf16, the cache's) is loaded once per
-// vector for all of them
-template <typename T>
+// out[h] = q[h] · row for KH query rows q [KH, n]: the row (fp32 or bf16, the cache's) is loaded once per vector for
+// all of them
+template <int64_t KH, typename T>
 inline void dot_heads(const float *q, const T *row, int64_t n, float *out) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t V = Vec::size();
-  Vec acc[kHeads];
+  Vec acc[KH];
   for (auto &a : acc) a = Vec(0.f);
   int64_t j = 0;
   for (; j + V <= n; j += V) {
     const Vec r = k3::load(row + j);
-    for (int64_t h = 0; h < kHeads; ++h) acc[h] = at::vec::fmadd(Vec::loadu(q + h * n + j), r, acc[h]);
+    for (int64_t h = 0; h < KH; ++h) acc[h] = at::vec::fmadd(Vec::loadu(q + h * n + j), r, acc[h]);
   }
-  for (int64_t h = 0; h < kHeads; ++h) {
+  for (int64_t h = 0; h < KH; ++h) {
     out[h] = at::vec::vec_reduce_all<float>([](Vec &x, Vec &y) { return x + y; }, acc[h]);
     for (int64_t t = j; t < n; ++t) out[h] = std::fma(q[h * n + t], static_cast<float>(row[t]), out[h]);
   }
 }
 
 // The running softmax of every head over some latent rows (online softmax): the largest score m, Σ_s e^(score_s − m)
-// and o = Σ_s e^(score_s − m) ĉ_s; heads padded to whole blocks of kHeads
+// and o = Σ_s e^(score_s − m) ĉ_s; heads padded to whole blocks of KH
+// (1, 2, 4 or 8: the fewest that hold a model's heads, so 2 heads do not pay for 8)
 struct RunningSoftmax {
   int64_t heads, C;
   float *max, *total, *o;  // [heads], [heads], [heads, C]
 
   // take the next n ≤ kBlock latent rows of one sequence (from `latent`, row stride L) for the queries q_lat
   // [heads, L]
-  template <typename T>
+  template <int64_t KH, typename T>
   void take(const float *q_lat, const T *latent, int64_t L, int64_t n, float scale) {
     using Vec = at::vec::Vectorized<float>;
     static_assert(kBlock % Vec::size() == 0, "a block of scores is whole vectors");
-    float p[kHeads * kBlock];  // scores, then their weights e^(score − m), of a block of kHeads heads
-    for (int64_t h0 = 0; h0 < heads; h0 += kHeads) {
+    float p[KH * kBlock];  // scores, then their weights e^(score − m), of a block of KH heads
+    for (int64_t h0 = 0; h0 < heads; h0 += KH) {
       for (int64_t r = 0; r < kBlock; ++r) {
-        float sc[kHeads];
-        if (r < n) dot_heads(q_lat + h0 * L, latent + r * L, L, sc);
-        for (int64_t h = 0; h < kHeads; ++h) p[h * kBlock + r] = r < n ? sc[h] * scale : -INFINITY;
+        float sc[KH];
+        if (r < n) dot_heads<KH>(q_lat + h0 * L, latent + r * L, L, sc);
+        for (int64_t h = 0; h < KH; ++h) p[h * kBlock + r] = r < n ? sc[h] * scale : -INFINITY;
       }
-      for (int64_t h = h0; h < h0 + kHeads; ++h) {  // rescale the sums to the new maximum, add the block's weights
+      for (int64_t h = h0; h < h0 + KH; ++h) {  // rescale the sums to the new maximum, add the block's weights
         float *ph = p + (h - h0) * kBlock;
         const float top = std::max(max[h], *std::max_element(ph, ph + kBlock));
         Vec sum(0.f);
         for (int64_t r = 0; r < kBlock; r += Vec::size()) {
-          const Vec e = (Vec::loadu(ph + r) - Vec(top)).exp();
+          const Vec e = (Vec::loadu(ph + r) - Vec(top)).exp_u20();
           e.store(ph + r);
           sum = sum + e;
         }
@@ -388,15 +389,15 @@ struct RunningSoftmax {
         max[h] = top;
         if (alpha != 1.f) at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, o + h * C, o + h * C, C);
       }
-      for (int64_t c0 = 0; c0 < C; c0 += Vec::size()) {  // o += Σ_r p_r ĉ_r, kHeads sums in registers
+      for (int64_t c0 = 0; c0 < C; c0 += Vec::size()) {  // o += Σ_r p_r ĉ_r, KH sums in registers
         const int64_t m = std::min<int64_t>(Vec::size(), C - c0);
-        Vec acc[kHeads];
-        for (int64_t h = 0; h < kHeads; ++h) acc[h] = Vec::loadu(o + (h0 + h) * C + c0, m);
+        Vec acc[KH];
+        for (int64_t h = 0; h < KH; ++h) acc[h] = Vec::loadu(o + (h0 + h) * C + c0, m);
         for (int64_t r = 0; r < n; ++r) {
           const Vec row = k3::load(latent + r * L + c0, m);
-          for (int64_t h = 0; h < kHeads; ++h) acc[h] = at::vec::fmadd(Vec(p[h * kBlock + r]), row, acc[h]);
+          for (int64_t h = 0; h < KH; ++h) acc[h] = at::vec::fmadd(Vec(p[h * kBlock + r]), row, acc[h]);
         }
-        for (int64_t h = 0; h < kHeads; ++h) acc[h].store(o + (h0 + h) * C + c0, m);
+        for (int64_t h = 0; h < KH; ++h) acc[h].store(o + (h0 + h) * C + c0, m);
       }
     }
   }
@@ -427,7 +428,8 @@ torch::Tensor mla_step(const torch::Tensor &q_in, const torch::Tensor &latent, i
   auto out = torch::empty({B, H * Vh}, q.options());
   const float *qp = q.data_ptr<float>();
   float *op = out.data_ptr<float>();
-  const int64_t Hp = (H + kHeads - 1) / kHeads * kHeads;  // q_lat padded with zero heads to whole blocks
+  const int64_t KH = H >= kHeads ? kHeads : H > 2 ? 4 : H;  // heads per block; q_lat padded with zero heads to whole
+  const int64_t Hp = (H + KH - 1) / KH * KH;                   // blocks
   std::vector<float> q_lat(B * Hp * L, 0.f);
   typed(kv_b, [&](const auto *wp) {
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {  // the query in latent space: [W_UKᵀ q_nope ‖ q_pe]
@@ -449,9 +451,18 @@ torch::Tensor mla_step(const torch::Tensor &q_in, const torch::Tensor &latent, i
       for (int64_t t = begin; t < end; ++t) {
         const int64_t b = t / splits, first = (t % splits) * kSplit, last = std::min(S, first + kSplit);
         RunningSoftmax run{Hp, C, max.data() + t * Hp, total.data() + t * Hp, o_task.data() + t * Hp * C};
-        for (int64_t s = first; s < last; s += kBlock)
-          run.take(q_lat.data() + b * Hp * L, lp + (b * cap + s) * L, L, std::min(kBlock, last - s),
-                   static_cast<float>(scale));
+        for (int64_t s = first; s < last; s += kBlock) {
+          const float *ql = q_lat.data() + b * Hp * L;
+          const auto *rows = lp + (b * cap + s) * L;
+          const int64_t n = std::min(kBlock, last - s);
+          const float sc = static_cast<float>(scale);
+          switch (KH) {
+            case 1: run.take<1>(ql, rows, L, n, sc); break;
+            case 2: run.take<2>(ql, rows, L, n, sc); break;
+            case 4: run.take<4>(ql, rows, L, n, sc); break;
+            default: run.take<kHeads>(ql, rows, L, n, sc);
+          }
+        }
       }
     });
   });

@@ -59,6 +59,8 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/decode.py --quick
 	$(PY) benchmarks/decode.py --dtypes --quick
 	$(PY) benchmarks/decode_kernels.py --quick
+	$(PY) benchmarks/attention.py --quick
+	$(PY) benchmarks/long_context.py --quick --out /tmp/k3-long-context-quick.json
 	$(PY) benchmarks/vision.py --quick
 	$(PY) benchmarks/scale_out.py --quick
 	-$(PY) benchmarks/peer_llama_cpp.py --quick  # needs a llama.cpp build (see the script); skipped without one

@@ -12,12 +12,13 @@ Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architectur
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from k3.config import K3Config
 from k3.model.observer import ForwardObserver
+from k3.model.sequence import WholeSequence
 
 
 PAGE_TOKENS = 2048  # the cache's unit of growth (positions)
@@ -98,7 +99,8 @@ class StepContext:
     `start` is the position of the first new token; `valid_BT` marks the real (non-padding) new tokens (None:
     all real); `key_valid_BS` marks the real tokens among all `start + T` positions (None: all real);
     `document_ids_BT` marks the documents of packed rows (None: one sequence per row); `observers` are the
-    training observers of this forward (`k3.model.observer`; empty: nobody is watching).
+    training observers of this forward (`k3.model.observer`; empty: nobody is watching); `sequence` says where the
+    tokens sit in their sequence (`k3.model.sequence`: the whole of it, or a context-parallel rank's share).
     """
 
     start: int = 0
@@ -106,6 +108,7 @@ class StepContext:
     key_valid_BS: torch.Tensor | None = None
     document_ids_BT: torch.Tensor | None = None
     observers: tuple[ForwardObserver, ...] = ()
+    sequence: WholeSequence = field(default_factory=WholeSequence)
 
     @contextlib.contextmanager
     def muted(self):

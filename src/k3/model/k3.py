@@ -22,6 +22,7 @@ from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import MoEGate, RoutedExperts, StableLatentMoE
 from k3.model.observer import Observable
+from k3.model.sequence import WholeSequence
 from k3.model.pretrained import PretrainedMixin
 from k3.ops.experts import reset_expert_weight
 from k3.ops.loss import IGNORE_INDEX, check_labels, next_token_loss
@@ -103,6 +104,7 @@ class K3Model(Observable, nn.Module):
             self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
         self.norm = RMSNorm(D, config.rms_norm_eps)
         self.gradient_checkpointing = False  # recompute each layer's activations in backward (training memory)
+        self.sequence = WholeSequence()  # where a call's tokens sit in the sequence (context parallelism: a share)
 
     def forward(self, input_ids: torch.LongTensor | None, cache: K3Cache | None = None,
                 attention_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
@@ -111,7 +113,8 @@ class K3Model(Observable, nn.Module):
         `inputs_embeds` [B, T, D] replaces the embedding lookup (media features merged in, §9.9)."""
         cur_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = cur_BTD.shape[:2]
-        ctx = step_context(cache, B, T, attention_mask, cur_BTD.device, document_ids)
+        ctx = self.sequence.place(step_context(cache, B, T, attention_mask, cur_BTD.device, document_ids), cache,
+                                  T)
         if self.training:
             ctx.observers = tuple(self.observers)
         # a one-token step: every layer one compiled call, checked once for the whole stack (from layer `done` on,

@@ -93,6 +93,7 @@ class GatedMLA(nn.Module):
         if cache is not None:
             cache.latent_BSL[:, ctx.start: ctx.start + T] = latent_BSL
             latent_BSL = cache.latent_BSL[:, : ctx.start + T]
+        latent_BSL = ctx.sequence.keys(latent_BSL)  # a context-parallel shard: with the earlier shards' latents
         q_nope_BTHK, q_pe_BTHR = self.project_query(x_BTD, ctx.start)
         absorbed = cache is not None and self.config.mla_decode == "absorbed" and T <= self.absorbed_max_tokens
         attend = self.attend_absorbed if absorbed else self.attend_expanded

@@ -1,0 +1,105 @@
+"""Context parallelism: each sequence split over the ranks of a group, rank r holding positions [r·T, (r+1)·T)
+(docs/architecture.md §15). Applied from outside the model: `apply_context_parallel` gives the backbone a
+`ContextParallel` as its `sequence` (`k3.model.sequence`), which answers the three questions K3's mixers ask
+about other tokens with collectives over the group; everything else (projections, Block AttnRes, the MoE, the
+head) is per token and needs nothing.
+
+- Short convolution: the W−1 projected inputs before the shard are the previous rank's last W−1 (all-gathered
+  tails; rank 0 starts from zeros).
+- KDA: the state entering a shard is a function of every earlier shard, but an affine one. From a state S₀ the
+  delta rule gives S_t = M_t S₀ + S_t⁰ and o_t = o_t⁰ + S₀ᵀ M_tᵀ q_t, where (o⁰, S⁰) is the run from zero and
+  M_t = Π (I − β k kᵀ) Diag(α) the product of the transitions. One call of the ordinary KDA core with the values
+  widened to [v ‖ 0] and the initial state [0 ‖ I] yields both at once: o⁰ and q̃ = Mᵀ q (the output), S⁰_T and
+  M_T (the final state). The ranks all-gather (S⁰_T, M_T), each folds the earlier ones, S ← M_j S + S⁰_j for
+  j < r, and adds q̃ S to its output: exact, every shard computed at once, the KDA core's cost doubled in V.
+- MLA: the latents [ĉ ‖ k_pe] (C + R numbers per token) are all-gathered and rank r attends over positions
+  [0, (r+1)·T) with its own queries at the end (the causal mask of a prefill continuing a cache) — far fewer
+  bytes than exchanging expanded keys and values (ring attention), H·(N + R + V) numbers per token.
+
+The all-gathers are autograd functions (their backward sums every rank's gradient for each shard), so training's
+losses and gradients are those of one process holding the whole sequence. Packed documents, padding and caches
+are not split (a one-line error says so). Shape suffixes: the legend at the top of docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_gather_single_autograd
+from torch import nn
+
+from k3.model.cache import K3Cache, StepContext
+from k3.model.k3 import K3Model
+from k3.model.sequence import DeltaRule, WholeSequence
+from k3.ops.loss import IGNORE_INDEX
+
+
+class ContextParallel(WholeSequence):
+    """This rank's share of every sequence: positions [rank·T, (rank+1)·T) of a sequence split over `group`."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def place(self, ctx: StepContext, cache: K3Cache | None, T: int) -> StepContext:
+        if cache is not None or ctx.document_ids_BT is not None or ctx.valid_BT is not None:
+            raise ValueError("context parallelism splits whole unpadded sequences: no cache, attention_mask or "
+                             "document_ids")
+        ctx.sequence, ctx.start = self, self.rank * T  # the shard's positions (K2's RoPE rotates by them)
+        return ctx
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x stacked [size, ...], differentiable (backward: each rank's x gets the sum of the ranks'
+        gradients for it). Each rank uses the whole result, zero weights where it needs no part, so the ranks' graphs
+        match and their backward runs the same collectives in the same order."""
+        return all_gather_single_autograd(x.contiguous()[None], 0, self.group)
+
+    def conv_context(self, x_BTP: torch.Tensor, context_BWP: torch.Tensor | None, taps: int) -> torch.Tensor | None:
+        if x_BTP.shape[1] < taps:
+            raise ValueError(f"context parallelism needs at least {taps} tokens per rank, got {x_BTP.shape[1]}")
+        tails_RBWP = self._gather(x_BTP[:, x_BTP.shape[1] - taps:])
+        before_RBWP = torch.cat([torch.zeros_like(tails_RBWP[:1]), tails_RBWP[:-1]])  # rank 0: a fresh sequence
+        return before_RBWP[self.rank]
+
+    def delta_rule(self, run: DeltaRule, q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV,
+                   output_final_state: bool) -> tuple[torch.Tensor, None]:
+        B, T, H, K = k_BTHK.shape
+        V = v_BTHV.shape[-1]
+        widened_BTHX = torch.cat([v_BTHV, v_BTHV.new_zeros(B, T, H, K)], dim=-1)  # [v ‖ 0]
+        eye_BHKK = torch.eye(K, dtype=torch.float32, device=k_BTHK.device).expand(B, H, K, K)
+        start_BHKX = torch.cat([eye_BHKK.new_zeros(B, H, K, V), eye_BHKK], dim=-1)  # [0 ‖ I]
+        o_BTHX, final_BHKX = run(q_BTHK, k_BTHK, widened_BTHX, g_BTHK, beta_BTH, start_BHKX, True)
+        o_BTHV, q_tilde_BTHK = o_BTHX.split([V, K], dim=-1)  # o⁰, Mᵀq
+        S_zero_BHKV, M_BHKK = final_BHKX.split([V, K], dim=-1)
+        S_zero_RBHKV, M_RBHKK = self._gather(S_zero_BHKV), self._gather(M_BHKK)
+        entering = [torch.zeros_like(S_zero_BHKV)]  # the state entering shard j: S ← M_j S + S⁰_j
+        for j in range(self.size - 1):
+            entering.append(M_RBHKK[j] @ entering[-1] + S_zero_RBHKV[j])
+        S_in_BHKV = torch.stack(entering)[self.rank]
+        o_BTHV = o_BTHV + torch.einsum("bthk,bhkv->bthv", q_tilde_BTHK.to(S_in_BHKV.dtype), S_in_BHKV).to(o_BTHV.dtype)
+        return o_BTHV, None
+
+    def keys(self, latent_BTL: torch.Tensor) -> torch.Tensor:
+        R, B, T, L = (gathered := self._gather(latent_BTL)).shape
+        return gathered.transpose(0, 1).reshape(B, R * T, L)[:, : (self.rank + 1) * T]
+
+
+def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+    """Split every sequence `model` (a `K3ForCausalLM` or `K3ForConditionalGeneration`) sees over `group`; in
+    place, returns it. Each rank then feeds its own share (`shard_sequence`)."""
+    (backbone,) = [m for m in model.modules() if isinstance(m, K3Model)]
+    backbone.sequence = ContextParallel(group)
+    return model
+
+
+def shard_sequence(input_ids_BT: torch.Tensor, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, next-token targets) of rank `rank`'s share of whole sequences [B, T]: positions [rank·T/size,
+    (rank+1)·T/size), each scored on the token after it (the next shard's first for the last position; nothing
+    after the sequence's end) — the targets of `next_token_loss`, so the shards' summed losses are the whole's."""
+    T = input_ids_BT.shape[1]
+    if T % size:
+        raise ValueError(f"a sequence of {T} tokens does not split evenly over {size} context-parallel ranks")
+    share = T // size
+    targets_BT = torch.nn.functional.pad(input_ids_BT[:, 1:], (0, 1), value=IGNORE_INDEX)
+    rows = slice(rank * share, (rank + 1) * share)
+    return input_ids_BT[:, rows], targets_BT[:, rows]

@@ -1,5 +1,5 @@
 """Where a call's tokens sit in their sequence: the whole of it (one process), or one rank's contiguous share of
-it under context parallelism (`k3.parallel.context`, docs/architecture.md §15).
+it under context parallelism (`k3.parallel.context`; docs/architecture.md, "Scale-out", "Context parallelism").
 
 The three places where K3's sequence mixers read other tokens ask this object, so the model stays one code path:
 the short convolution's window (the W−1 inputs before the call), the KDA state entering the call, and the MLA keys

@@ -1,8 +1,8 @@
 """Context parallelism: each sequence split over the ranks of a group, rank r holding positions [r·T, (r+1)·T)
-(docs/architecture.md §15). Applied from outside the model: `apply_context_parallel` gives the backbone a
-`ContextParallel` as its `sequence` (`k3.model.sequence`), which answers the three questions K3's mixers ask
-about other tokens with collectives over the group; everything else (projections, Block AttnRes, the MoE, the
-head) is per token and needs nothing.
+(docs/architecture.md, "Scale-out", "Context parallelism"). Applied from outside the model:
+`apply_context_parallel` gives the backbone a `ContextParallel` as its `sequence` (`k3.model.sequence`), which
+answers the three questions K3's mixers ask about other tokens with collectives over the group; everything else
+(projections, Block AttnRes, the MoE, the head) is per token and needs nothing.
 
 - Short convolution: the W−1 projected inputs before the shard are the previous rank's last W−1 (all-gathered
   tails; rank 0 starts from zeros).

@@ -1,6 +1,7 @@
 """Context parallelism (`k3.parallel.context`): a sequence split over 2 and 4 gloo ranks gives the logits, the summed
 loss and the gradients of one process holding the whole sequence, in K3's form and in K2's (RoPE: the shard's
-positions matter)."""
+positions matter), and for packed rows whose documents start inside shards, exactly at a shard boundary, or span
+several shards."""
 
 from __future__ import annotations
 
@@ -24,31 +25,45 @@ def sequences():
     return torch.randint(0, 4096, (ROWS, T), generator=torch.Generator().manual_seed(1))
 
 
-def summed_loss(model, ids, targets):
+def rows(packed: bool) -> dict[str, torch.Tensor]:
+    """Whole rows; packed: row 0's documents start at 5, 12 (a 4-rank boundary), 24 (2 ranks) and 31, row 1's at 40
+    (one document over three of four shards); labels with a few ignored positions."""
+    ids = sequences()
+    labels = ids.clone()
+    labels[1, 7:10] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    if packed:
+        starts = torch.zeros(ROWS, T, dtype=torch.long)
+        starts[0, [5, 12, 24, 31]] = 1
+        starts[1, 40] = 1
+        batch["document_ids"] = starts.cumsum(1)
+    return batch
+
+
+def summed_loss(model, shard):
     from k3.ops.loss import IGNORE_INDEX, next_token_loss
 
-    out = model(ids)
+    targets = shard["targets"]
+    out = model(shard["input_ids"], document_ids=shard.get("document_ids"))
     return out.logits, next_token_loss(out.logits, targets) * (targets != IGNORE_INDEX).sum()
 
 
-def whole(dtype, k2=False):
-    from k3.parallel.context import shard_sequence
+def whole(dtype, k2=False, packed=False):
+    from k3.parallel.context import shard_batch
 
     model = build(dtype, k2)
-    ids, targets = shard_sequence(sequences(), 0, 1)
-    logits, loss = summed_loss(model, ids, targets)
+    logits, loss = summed_loss(model, shard_batch(rows(packed), 0, 1))
     loss.backward()
     return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def shard_rank(rank, world_size, dtype, k2):
+def shard_rank(rank, world_size, dtype, k2, packed):
     import torch.distributed as dist
 
-    from k3.parallel.context import apply_context_parallel, shard_sequence
+    from k3.parallel.context import apply_context_parallel, shard_batch
 
     model = apply_context_parallel(build(dtype, k2), dist.group.WORLD)
-    ids, targets = shard_sequence(sequences(), rank, world_size)
-    logits, loss = summed_loss(model, ids, targets)
+    logits, loss = summed_loss(model, shard_batch(rows(packed), rank, world_size))
     loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
@@ -60,13 +75,13 @@ def shard_rank(rank, world_size, dtype, k2):
     return logits.detach(), total, grads
 
 
-@pytest.mark.parametrize("ranks,dtype,k2", [(2, torch.float64, False), (4, torch.float64, False),
-                                            (2, torch.float64, True), (2, torch.float32, False)])
-def test_context_parallel_equals_one_process(ranks, dtype, k2):
-    logits, loss, grads = whole(dtype, k2)
+@pytest.mark.parametrize("ranks,dtype,k2,packed", [(2, torch.float64, False, False), (4, torch.float64, False, True),
+                                                   (2, torch.float64, True, True), (2, torch.float32, False, False)])
+def test_context_parallel_equals_one_process(ranks, dtype, k2, packed):
+    logits, loss, grads = whole(dtype, k2, packed)
     tol = 1e-10 if dtype == torch.float64 else 1e-4  # fp32: reduction order
     share = T // ranks
-    for rank, (rank_logits, total, rank_grads) in enumerate(run_ranks(shard_rank, ranks, dtype, k2, timeout=240)):
+    for rank, (rank_logits, total, rank_grads) in enumerate(run_ranks(shard_rank, ranks, dtype, k2, packed, timeout=240)):
         torch.testing.assert_close(rank_logits, logits[:, rank * share: (rank + 1) * share], rtol=tol, atol=tol)
         assert abs(total.item() - loss.item()) <= tol * abs(loss.item())
         assert set(rank_grads) == set(grads)
@@ -76,16 +91,17 @@ def test_context_parallel_equals_one_process(ranks, dtype, k2):
 
 
 def test_shards_score_every_next_token_once():
-    from k3.ops.loss import IGNORE_INDEX
-    from k3.parallel.context import shard_sequence
+    from k3.ops.loss import next_token_targets
+    from k3.parallel.context import shard_batch
 
-    ids = sequences()
-    shards = [shard_sequence(ids, r, 4) for r in range(4)]
-    assert torch.equal(torch.cat([s[0] for s in shards], 1), ids)
-    targets = torch.cat([s[1] for s in shards], 1)
-    assert torch.equal(targets[:, :-1], ids[:, 1:]) and bool((targets[:, -1] == IGNORE_INDEX).all())
+    batch = rows(packed=True)
+    shards = [shard_batch(batch, r, 4) for r in range(4)]
+    for key in ("input_ids", "document_ids"):
+        assert torch.equal(torch.cat([s[key] for s in shards], 1), batch[key])
+    whole_targets = next_token_targets(batch["labels"], batch["document_ids"])
+    assert torch.equal(torch.cat([s["targets"] for s in shards], 1), whole_targets)
     with pytest.raises(ValueError, match="48 tokens does not split evenly over 5"):
-        shard_sequence(ids, 0, 5)
+        shard_batch(batch, 0, 5)
 
 
 def refusal_rank(rank, world_size):
@@ -107,7 +123,7 @@ def refusal_rank(rank, world_size):
 
 def test_context_parallel_refuses_what_it_cannot_split():
     for messages in run_ranks(refusal_rank, 2, timeout=120):
-        assert messages[0].startswith("context parallelism splits whole unpadded sequences")
-        assert messages[1].startswith("attention_mask must be left padding") or \
-            messages[1].startswith("context parallelism splits whole unpadded sequences")
+        assert messages[0] == "context parallelism splits whole unpadded sequences: no cache or attention_mask"
+        assert messages[1] in ("attention_mask must be left padding: a 0 after a 1 in the same row",
+                               "context parallelism splits whole unpadded sequences: no cache or attention_mask")
         assert messages[2] == "context parallelism needs at least 3 tokens per rank, got 2"

@@ -9,7 +9,6 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -25,7 +24,7 @@ from k3.model.observer import Observable
 from k3.model.sequence import WholeSequence
 from k3.model.pretrained import PretrainedMixin
 from k3.ops.experts import reset_expert_weight
-from k3.ops.loss import IGNORE_INDEX, check_labels, next_token_loss
+from k3.ops.loss import IGNORE_INDEX, check_labels, next_token_loss, next_token_targets
 from k3.ops.norm import RMSNorm
 from k3.ops.matvec import Linear
 
@@ -224,16 +223,12 @@ class K3ForCausalLM(PretrainedMixin, nn.Module):
         logits_BTO = self.lm_head(self.model(input_ids, cache, attention_mask, document_ids, inputs_embeds))
         loss = loss_tokens = None
         if labels is not None:
-            targets_BT = labels[:, 1:]
-            if document_ids is not None:  # never predict across a document boundary
-                targets_BT = targets_BT.masked_fill(document_ids[:, 1:] != document_ids[:, :-1], IGNORE_INDEX)
-            if attention_mask is not None:  # a padding position predicts nothing (left padding)
-                new_BT = attention_mask[:, -labels.shape[1]:].to(labels.device)
-                targets_BT = targets_BT.masked_fill(new_BT[:, :-1] == 0, IGNORE_INDEX)
+            real_BT = None if attention_mask is None else attention_mask[:, -labels.shape[1]:].to(labels.device)
             # the last position predicts nothing: scoring all T positions against targets padded with the ignore
             # index gives the same loss without copying the [B, T−1, V] slice of the logits (nor scattering its
             # gradient back)
-            loss = next_token_loss(logits_BTO, F.pad(targets_BT, (0, 1), value=IGNORE_INDEX))
+            targets_BT = next_token_targets(labels, document_ids, real_BT)
+            loss = next_token_loss(logits_BTO, targets_BT)
             loss_tokens = (targets_BT != IGNORE_INDEX).sum()
         return CausalLMOutput(logits=logits_BTO, loss=loss, loss_tokens=loss_tokens)
 

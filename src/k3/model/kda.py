@@ -148,9 +148,9 @@ class KimiDeltaAttention(KeepFP32):
             x_BTP = proj(x_BTD)
             if valid_BT1 is not None:
                 x_BTP = x_BTP.masked_fill(~valid_BT1, 0)
-            context_BWP = ctx.sequence.conv_context(x_BTP, None if cache is None else cache.conv_state_B3WP[:, i],
-                                                    conv.weight.shape[-1] - 1)
-            y_BTP, context_BWP = short_conv(x_BTP, conv.weight, context_BWP, documents)
+            context_BWP = None if cache is None else cache.conv_state_B3WP[:, i]
+            y_BTP, context_BWP = ctx.sequence.short_conv(partial(short_conv, weight_P1W=conv.weight), x_BTP,
+                                                         context_BWP, documents)
             if cache is not None:
                 cache.conv_state_B3WP[:, i] = context_BWP
             streams.append(y_BTP.view(B, T, H, K))
@@ -164,12 +164,10 @@ class KimiDeltaAttention(KeepFP32):
             g_BTHK = g_BTHK.masked_fill(~valid_BT1[..., None], 0)
             beta_BTH = beta_BTH.masked_fill(~valid_BT1, 0)
         state = None if cache is None else cache.recurrent_state_BHKV
-        if documents is not None and not fla:  # packed rows: every document starts from zero
-            o_BTHK = self.by_document(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, documents)
-        else:  # from the cached state; a context-parallel shard from the state the earlier shards leave
-            run = partial(self.delta_rule, fla=fla, documents=documents, one_step=T == 1 and cache is not None)
-            o_BTHK, state = ctx.sequence.delta_rule(run, q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, state,
-                                                    cache is not None)
+        # from the cached state (packed rows: every document from zero); a context-parallel shard continues from the
+        # state the earlier shards leave
+        run = partial(self.delta_rule, fla=fla, documents=documents, one_step=T == 1 and cache is not None)
+        o_BTHK, state = ctx.sequence.delta_rule(run, q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, state, cache is not None)
         if cache is not None:
             cache.recurrent_state_BHKV = state
         z_BTHK = self.output_gate(x_BTD).view(B, T, H, K)
@@ -179,23 +177,24 @@ class KimiDeltaAttention(KeepFP32):
 
     def delta_rule(self, q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV, output_final_state, fla,
                    documents, one_step):
-        """The KDA core (§3.4–§3.7) from `initial_state`: fla's kernels on the GPU (§3.11), the recurrent form for a
-        one-token step or `kda_impl = "recurrent"`, else the chunked one. Returns (o, final state or None)."""
+        """The KDA core (§3.4–§3.8) from `initial_state`: fla's kernels on the GPU (§3.11); packed rows with a reset
+        at every document (the row's first document continues from `initial_state` when given); the recurrent form
+        for a one-token step or `kda_impl = "recurrent"`, else the chunked one. Returns (o, final state or None)."""
+        state = dict(initial_state=initial_state_BHKV, output_final_state=output_final_state)
+        recurrent = self.config.kda_impl == "recurrent"
         if fla:
-            return fla_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state=initial_state_BHKV,
-                           output_final_state=output_final_state, document_ids=documents)
-        if self.config.kda_impl == "recurrent" or one_step:
-            return recurrent_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state=initial_state_BHKV,
-                                 output_final_state=output_final_state)
-        return chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state=initial_state_BHKV,
-                         output_final_state=output_final_state, chunk_size=self.config.kda_chunk_size)
-
-    def by_document(self, q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, documents_BT) -> torch.Tensor:
-        """The KDA core of packed rows on the CPU (§3.8): every document from a zero state."""
-        if self.config.kda_impl == "recurrent":
-            return kda_by_document(recurrent_kda, q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, documents_BT)
-        return chunk_kda_by_document(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, documents_BT,
-                                     chunk_size=self.config.kda_chunk_size)
+            return fla_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, **state, document_ids=documents)
+        if documents is not None and recurrent:  # the reference: every document a row of its own, from zero
+            if initial_state_BHKV is not None:
+                raise ValueError("packed rows continuing a state (context parallelism) need kda_impl 'chunk'")
+            return kda_by_document(recurrent_kda, q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, documents), None
+        if documents is not None:
+            out = chunk_kda_by_document(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, documents,
+                                        chunk_size=self.config.kda_chunk_size, **state)
+            return out if output_final_state else (out, None)
+        if recurrent or one_step:
+            return recurrent_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, **state)
+        return chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, **state, chunk_size=self.config.kda_chunk_size)
 
     def fused_step(self, x_BTD: torch.Tensor, cache: KDACache) -> torch.Tensor:
         """A one-token step (T = 1) with a cache as one compiled call after the projections

@@ -93,11 +93,12 @@ class GatedMLA(nn.Module):
         if cache is not None:
             cache.latent_BSL[:, ctx.start: ctx.start + T] = latent_BSL
             latent_BSL = cache.latent_BSL[:, : ctx.start + T]
-        latent_BSL = ctx.sequence.keys(latent_BSL)  # a context-parallel shard: with the earlier shards' latents
+        # a context-parallel shard: with the earlier shards' latents (and their documents)
+        latent_BSL, document_ids_BS = ctx.sequence.keys(latent_BSL, ctx.document_ids_BT)
         q_nope_BTHK, q_pe_BTHR = self.project_query(x_BTD, ctx.start)
         absorbed = cache is not None and self.config.mla_decode == "absorbed" and T <= self.absorbed_max_tokens
         attend = self.attend_absorbed if absorbed else self.attend_expanded
-        o_BTHV = attend(q_nope_BTHK, q_pe_BTHR, latent_BSL, ctx.key_valid_BS, ctx.document_ids_BT)
+        o_BTHV = attend(q_nope_BTHK, q_pe_BTHR, latent_BSL, ctx.key_valid_BS, document_ids_BS)
         return self.gate_and_project(x_BTD, o_BTHV)
 
     def fused_step(self, x_BTD: torch.Tensor, cache: MLACache, start: int) -> torch.Tensor:
@@ -125,7 +126,7 @@ class GatedMLA(nn.Module):
 
     def attend_expanded(self, q_nope_BTHK: torch.Tensor, q_pe_BTHR: torch.Tensor, latent_BSL: torch.Tensor,
                         key_valid_BS: torch.Tensor | None = None,
-                        document_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+                        document_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
         """Expanded MHA (§4.2 steps 5–8): keys [k_nope ‖ k_pe broadcast over heads], values from ĉ; the T new
         queries sit at positions S − T.. (blocked exact attention, §4.7)."""
         cfg = self.config
@@ -137,12 +138,12 @@ class GatedMLA(nn.Module):
         key_BSHQ = torch.cat([k_nope_BSHK, k_pe_BSR[:, :, None].expand(B, S, H, -1)], dim=-1)
         query_BTHQ = torch.cat([q_nope_BTHK, q_pe_BTHR], dim=-1)
         o_BHTV = attention(query_BTHQ.transpose(1, 2), key_BSHQ.transpose(1, 2), v_BSHV.transpose(1, 2), self.scale,
-                           key_valid_BS, document_ids_BT)
+                           key_valid_BS, document_ids_BS)
         return o_BHTV.transpose(1, 2)
 
     def attend_absorbed(self, q_nope_BTHK: torch.Tensor, q_pe_BTHR: torch.Tensor, latent_BSL: torch.Tensor,
                         key_valid_BS: torch.Tensor | None = None,
-                        document_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+                        document_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
         """MQA over the latent (§4.4): W_UK folded into the query, W_UV applied per head after attention.
 
         score = [W_UKᵀ q_nope ‖ q_pe] · [ĉ ‖ k_pe] / sqrt(N + R); o = W_UV (Σ_s p_s ĉ_s): the latent is one key/value
@@ -154,5 +155,5 @@ class GatedMLA(nn.Module):
         W_UK_HKc, W_UV_HVc = W_HXc[:, :N], W_HXc[:, N:]
         q_BTHL = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope_BTHK, W_UK_HKc), q_pe_BTHR], dim=-1)
         o_lat_BHTc = attention(q_BTHL.transpose(1, 2), latent_BSL[:, None], latent_BSL[:, None, :, :C], self.scale,
-                               key_valid_BS, document_ids_BT)
+                               key_valid_BS, document_ids_BS)
         return torch.einsum("bhtc,hvc->bthv", o_lat_BHTc, W_UV_HVc)

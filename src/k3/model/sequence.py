@@ -1,9 +1,10 @@
 """Where a call's tokens sit in their sequence: the whole of it (one process), or one rank's contiguous share of
 it under context parallelism (`k3.parallel.context`; docs/architecture.md, "Scale-out", "Context parallelism").
 
-The three places where K3's sequence mixers read other tokens ask this object, so the model stays one code path:
-the short convolution's window (the W−1 inputs before the call), the KDA state entering the call, and the MLA keys
-(the latents of every position up to the call's last). For a whole sequence each answer is the caller's own.
+The three places where K3's sequence mixers read other tokens go through this object, so the model stays one code
+path: the short convolution (its window reaches W−1 inputs before the call), the KDA core (from the state entering
+the call), and the MLA keys (the latents of every position up to the call's last). For a whole sequence each is
+the caller's own computation.
 
 Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 
 # run(q, k, v, g, beta, initial_state, output_final_state) -> (o [B,T,H,V], final state [B,H,K,V] or None)
 DeltaRule = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+# run(x [B,T,P], context_BWP=..., document_ids_BT=...) -> (output [B,T,P], the last W−1 inputs [B,W−1,P])
+ShortConv = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class WholeSequence:
@@ -31,15 +34,18 @@ class WholeSequence:
         ctx.sequence = self
         return ctx
 
-    def conv_context(self, x_BTP: torch.Tensor, context_BWP: torch.Tensor | None, taps: int) -> torch.Tensor | None:
-        """The `taps` = W−1 projected inputs before x (None: a fresh sequence, zeros)."""
-        return context_BWP
+    def short_conv(self, run: ShortConv, x_BTP: torch.Tensor, context_BWP: torch.Tensor | None,
+                   document_ids_BT: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The short convolution of x after `context` (the W−1 inputs before it; None: a fresh sequence)."""
+        return run(x_BTP, context_BWP=context_BWP, document_ids_BT=document_ids_BT)
 
     def delta_rule(self, run: DeltaRule, q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV,
                    output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The KDA core over the call's tokens, from `state` (None: zeros)."""
         return run(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV, output_final_state)
 
-    def keys(self, latent_BTL: torch.Tensor) -> torch.Tensor:
-        """The MLA latents of every position up to the call's last one, given the call's own."""
-        return latent_BTL
+    def keys(self, latent_BSL: torch.Tensor, document_ids_BT: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The MLA latents of every position up to the call's last one and their documents (packed rows), given
+        the call's own."""
+        return latent_BSL, document_ids_BT

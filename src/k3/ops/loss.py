@@ -19,6 +19,19 @@ IGNORE_INDEX = -100
 """A label that is not scored (Hugging Face convention): padding, media features, prompts."""
 
 
+def next_token_targets(labels_BT: torch.Tensor, document_ids_BT: torch.Tensor | None = None,
+                       real_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] targets of `next_token_loss` from HF-convention labels: position t scored on label t+1, except across a
+    document boundary (`document_ids_BT`, packed rows), from a padding position (`real_BT` 0/False) and at the
+    last position (IGNORE_INDEX)."""
+    targets_BT = labels_BT[:, 1:]
+    if document_ids_BT is not None:  # never predict across a document boundary
+        targets_BT = targets_BT.masked_fill(document_ids_BT[:, 1:] != document_ids_BT[:, :-1], IGNORE_INDEX)
+    if real_BT is not None:  # a padding position predicts nothing (left padding)
+        targets_BT = targets_BT.masked_fill(real_BT[:, :-1] == 0, IGNORE_INDEX)
+    return F.pad(targets_BT, (0, 1), value=IGNORE_INDEX)
+
+
 def check_labels(labels_BT: torch.Tensor, vocab_size: int) -> None:
     """Labels must be integer token ids in 0..vocab_size-1 or IGNORE_INDEX; raises naming the first bad one."""
     if labels_BT.is_floating_point() or labels_BT.is_complex() or labels_BT.dtype == torch.bool:

@@ -17,19 +17,20 @@ __all__ = ["attention", "attention_mask", "naive_attention"]
 
 
 def attention(q_BHTK: torch.Tensor, k_BGSK: torch.Tensor, v_BGSV: torch.Tensor, scale: float,
-              key_valid_BS: torch.Tensor | None = None, document_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+              key_valid_BS: torch.Tensor | None = None, document_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
     """o [B,H,T,V] = softmax(scale · q kᵀ + mask) v for T new queries at positions S − T.. over S keys.
 
     k, v have G = H heads or one head shared by all (G = 1, the absorbed form); K ≠ V allowed. Query t sees key s
     when s ≤ S − T + t and, with `key_valid_BS` [B,S], key s is a real token or the query itself, or, with
-    `document_ids_BT` [B,T] (packed rows, S = T), both belong to one document.
+    `document_ids_BS` [B,S] (packed rows: the document of every position, the queries' the last T), both belong to
+    one document.
     """
     T, S, G = q_BHTK.shape[2], k_BGSK.shape[2], k_BGSK.shape[1]
     if compiled.serves("attention", q_BHTK, k_BGSK, v_BGSV, dtypes=(torch.float32, torch.float64)) and \
             q_BHTK.dtype == k_BGSK.dtype == v_BGSV.dtype:
-        return CpuBlockedAttention.apply(q_BHTK, k_BGSK, v_BGSV, scale, key_valid_BS, document_ids_BT)
-    if q_BHTK.is_cuda and key_valid_BS is None and document_ids_BT is None and S == T:
+        return CpuBlockedAttention.apply(q_BHTK, k_BGSK, v_BGSV, scale, key_valid_BS, document_ids_BS)
+    if q_BHTK.is_cuda and key_valid_BS is None and document_ids_BS is None and S == T:
         H = q_BHTK.shape[1]
         k, v = (k_BGSK, v_BGSV) if G == H else (k_BGSK.expand(-1, H, -1, -1), v_BGSV.expand(-1, H, -1, -1))
         return F.scaled_dot_product_attention(q_BHTK, k, v, is_causal=True, scale=scale)
-    return BlockedAttention.apply(q_BHTK, k_BGSK, v_BGSV, scale, key_valid_BS, document_ids_BT)
+    return BlockedAttention.apply(q_BHTK, k_BGSK, v_BGSV, scale, key_valid_BS, document_ids_BS)

@@ -18,16 +18,16 @@ K_BLOCK = 1024  # keys per block
 
 
 def block_mask(t0: int, t1: int, s0: int, s1: int, start: int, key_valid_BS: torch.Tensor | None,
-               document_ids_BT: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+               document_ids_BS: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     """Which keys [s0, s1) queries [t0, t1) see, [B|1, 1, n, m] (the rule of `naive.attention_mask`); None where all
     of them see all of them."""
-    if key_valid_BS is None and document_ids_BT is None and s1 - 1 <= start + t0:
+    if key_valid_BS is None and document_ids_BS is None and s1 - 1 <= start + t0:
         return None
     p_n1 = torch.arange(start + t0, start + t1, device=device)[:, None]
     s_m = torch.arange(s0, s1, device=device)
     mask_nm = s_m <= p_n1
-    if document_ids_BT is not None:
-        same_Bnm = document_ids_BT[:, t0:t1, None] == document_ids_BT[:, None, s0:s1]
+    if document_ids_BS is not None:
+        same_Bnm = document_ids_BS[:, start + t0: start + t1, None] == document_ids_BS[:, None, s0:s1]
         return (mask_nm & same_Bnm)[:, None]
     if key_valid_BS is None:
         return mask_nm[None, None]
@@ -48,7 +48,7 @@ class BlockedAttention(torch.autograd.Function):
     backward recomputes each block's probabilities from them (FlashAttention-2's scheme)."""
 
     @staticmethod
-    def forward(ctx, q_BHTK, k_BGSK, v_BGSV, scale, key_valid_BS, document_ids_BT):
+    def forward(ctx, q_BHTK, k_BGSK, v_BGSV, scale, key_valid_BS, document_ids_BS):
         B, H, T, _ = q_BHTK.shape
         S = k_BGSK.shape[2]
         start = S - T
@@ -62,7 +62,7 @@ class BlockedAttention(torch.autograd.Function):
             acc_BHnV = torch.zeros(B, H, t1 - t0, v_BGSV.shape[-1], **stats)
             for s0, s1 in _blocks(start + t1, K_BLOCK):
                 x_BHnm = (q_BHnK @ fp32(k_BGSK[:, :, s0:s1]).transpose(-1, -2)) * scale
-                mask = block_mask(t0, t1, s0, s1, start, key_valid_BS, document_ids_BT, q_BHTK.device)
+                mask = block_mask(t0, t1, s0, s1, start, key_valid_BS, document_ids_BS, q_BHTK.device)
                 if mask is not None:
                     x_BHnm = x_BHnm.masked_fill(~mask, float("-inf"))
                 m_new_BHn = torch.maximum(m_BHn, x_BHnm.amax(-1))
@@ -74,14 +74,14 @@ class BlockedAttention(torch.autograd.Function):
                 m_BHn = m_new_BHn
             o_BHTV[:, :, t0:t1] = acc_BHnV / l_BHn[..., None]  # every query sees itself: l > 0
             lse_BHT[:, :, t0:t1] = m_BHn + torch.log(l_BHn)
-        ctx.save_for_backward(q_BHTK, k_BGSK, v_BGSV, o_BHTV, lse_BHT, key_valid_BS, document_ids_BT)
+        ctx.save_for_backward(q_BHTK, k_BGSK, v_BGSV, o_BHTV, lse_BHT, key_valid_BS, document_ids_BS)
         ctx.scale = scale
         return o_BHTV
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do_BHTV):
-        q_BHTK, k_BGSK, v_BGSV, o_BHTV, lse_BHT, key_valid_BS, document_ids_BT = ctx.saved_tensors
+        q_BHTK, k_BGSK, v_BGSV, o_BHTV, lse_BHT, key_valid_BS, document_ids_BS = ctx.saved_tensors
         scale, G = ctx.scale, k_BGSK.shape[1]
         T, S = q_BHTK.shape[2], k_BGSK.shape[2]
         start = S - T
@@ -93,7 +93,7 @@ class BlockedAttention(torch.autograd.Function):
             for s0, s1 in _blocks(start + t1, K_BLOCK):
                 k_BGmK, v_BGmV = fp32(k_BGSK[:, :, s0:s1]), fp32(v_BGSV[:, :, s0:s1])
                 x_BHnm = (q_BHnK @ k_BGmK.transpose(-1, -2)) * scale
-                mask = block_mask(t0, t1, s0, s1, start, key_valid_BS, document_ids_BT, q_BHTK.device)
+                mask = block_mask(t0, t1, s0, s1, start, key_valid_BS, document_ids_BS, q_BHTK.device)
                 if mask is not None:
                     x_BHnm = x_BHnm.masked_fill(~mask, float("-inf"))
                 p_BHnm = torch.exp(x_BHnm - lse_BHT[:, :, t0:t1, None])

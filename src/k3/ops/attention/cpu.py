@@ -19,9 +19,9 @@ class CpuBlockedAttention(torch.autograd.Function):
     """`BlockedAttention` on the compiled kernel: q [B,H,T,K], k [B,G,S,K], v [B,G,S,V] → o [B,H,T,V]."""
 
     @staticmethod
-    def forward(ctx, q_BHTK, k_BGSK, v_BGSV, scale, key_valid_BS, document_ids_BT):
+    def forward(ctx, q_BHTK, k_BGSK, v_BGSV, scale, key_valid_BS, document_ids_BS):
         q_BHTK, k_BGSK, v_BGSV = q_BHTK.contiguous(), k_BGSK.contiguous(), v_BGSV.contiguous()
-        valid_BS, docs_BT = _optional(key_valid_BS, torch.bool), _optional(document_ids_BT, torch.int64)
+        valid_BS, docs_BT = _optional(key_valid_BS, torch.bool), _optional(document_ids_BS, torch.int64)
         o_BHTV, lse_BHT = compiled.load("attention").forward(q_BHTK, k_BGSK, v_BGSV, scale, valid_BS, docs_BT)
         ctx.save_for_backward(q_BHTK, k_BGSK, v_BGSV, o_BHTV, lse_BHT, valid_BS, docs_BT)
         ctx.scale = scale

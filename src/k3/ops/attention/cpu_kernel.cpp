@@ -5,7 +5,7 @@
 // Layout: q [B,H,T,K], k [B,G,S,K], v [B,G,S,V], G = H (the expanded form) or G = 1 (the absorbed form: one latent
 // key/value head read by every head). Query t sits at position start + t = S − T + t; key s is visible to it when
 // s ≤ its position and, with key_valid [B,S], s is a real token (or s is the query itself), or, with document ids
-// [B,T] (packed rows, S = T), s belongs to the same document.
+// [B,S] of every position (packed rows), s belongs to the query's document.
 //
 // Forward, per (b, h, query block): for each key block up to the causal limit
 //   x = scale · q kᵀ (masked entries −∞);  m' = max(m, max_j x);  p = e^{x − m'}
@@ -31,13 +31,13 @@ struct Problem {
   int64_t B, H, G, T, S, K, V, start;
   double scale;
   const bool *valid;     // [B, S] or nullptr
-  const int64_t *doc;    // [B, T] or nullptr
+  const int64_t *doc;    // [B, S] or nullptr
 
   // whether key s is visible to query t of row b
   bool visible(int64_t b, int64_t t, int64_t s) const {
     const int64_t p = start + t;
     if (s > p) return false;
-    if (doc) return doc[b * T + s] == doc[b * T + t];
+    if (doc) return doc[b * S + s] == doc[b * S + p];
     return !valid || valid[b * S + s] || s == p;
   }
   // whether every key of [s0, s1) is visible to every query from t0 on: no check per pair
@@ -217,8 +217,8 @@ Problem problem_of(const torch::Tensor &q, const torch::Tensor &k, const torch::
     P.valid = valid->data_ptr<bool>();
   }
   if (doc.has_value()) {
-    TORCH_CHECK(doc->scalar_type() == at::kLong && doc->is_contiguous() && doc->numel() == P.B * P.T && P.start == 0,
-                "attention cpu kernel: document ids must be a contiguous int64 [B, T] with S = T");
+    TORCH_CHECK(doc->scalar_type() == at::kLong && doc->is_contiguous() && doc->numel() == P.B * P.S,
+                "attention cpu kernel: document ids must be a contiguous int64 [B, S]");
     P.doc = doc->data_ptr<int64_t>();
   }
   return P;

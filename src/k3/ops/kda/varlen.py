@@ -76,20 +76,27 @@ def chunk_aligned_layout(document_ids_BT: torch.Tensor, chunk_size: int) -> tupl
     return new_pos_BT, reset_BU
 
 
-def chunk_kda_by_document(q, k, v, g, beta, document_ids_BT: torch.Tensor, chunk_size: int = 64,
-                          scale=None) -> torch.Tensor:
-    """`chunk_kda` on packed rows with a state reset at every document start; returns o [B,T,H,V]."""
+def chunk_kda_by_document(q, k, v, g, beta, document_ids_BT: torch.Tensor, chunk_size: int = 64, scale=None,
+                          initial_state=None, output_final_state=False):
+    """`chunk_kda` on packed rows with a state reset at every document start; returns o [B,T,H,V], or with
+    `output_final_state` (o, the state after each row's last token [B,H,K,V]). With `initial_state` [B,H,K,V] each
+    row's first document continues from it (a row that continues a document of an earlier call)."""
     B, T = document_ids_BT.shape
     new_pos_BT, reset_BU = chunk_aligned_layout(document_ids_BT, chunk_size)
+    if initial_state is not None:
+        reset_BU[:, 0] = False
     R = reset_BU.shape[1] * chunk_size
     flat_N = (torch.arange(B, device=new_pos_BT.device)[:, None] * R + new_pos_BT).flatten()  # N = B·T tokens
+
     # index_copy / index_select rather than indexing with the (row, position) pairs: their backward is a gather or
     # a scatter-add instead of an accumulating index_put (4× slower on CPU, measured)
-
     def relaid(x_BT_):
         x_N_ = x_BT_.flatten(0, 1)
         return x_N_.new_zeros(B * R, *x_N_.shape[1:]).index_copy(0, flat_N, x_N_).view(B, R, *x_N_.shape[1:])
 
-    o_BrHV, _ = chunk_kda(*(relaid(x) for x in (q, k, v, g, beta)), scale=scale, chunk_size=chunk_size,
-                          reset_chunks=reset_BU)
-    return o_BrHV.flatten(0, 1).index_select(0, flat_N).view(B, T, *o_BrHV.shape[2:])
+    # the padding between documents and after a row's last one is identity steps: the final state is the last token's
+    o_BrHV, S_BHKV = chunk_kda(*(relaid(x) for x in (q, k, v, g, beta)), scale=scale, chunk_size=chunk_size,
+                               initial_state=initial_state, output_final_state=output_final_state,
+                               reset_chunks=reset_BU)
+    o_BTHV = o_BrHV.flatten(0, 1).index_select(0, flat_N).view(B, T, *o_BrHV.shape[2:])
+    return (o_BTHV, S_BHKV) if output_final_state else o_BTHV

@@ -333,7 +333,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     options["overrides"] = _overrides(args.override)
     options["lr_scale"] = _lr_scale(args.lr_scale)
     train_args = TrainArgs(**options)
-    distributed = init_distributed(train_args.ep)
+    distributed = init_distributed(train_args.ep, train_args.cp)
     try:
         if distributed is not None and distributed.is_main:
             print(distributed.describe(), flush=True)
@@ -647,6 +647,9 @@ def main(argv: list[str] | None = None) -> int:
     parallel.add_argument("--ep", type=_count(1), default=None,
                           help="expert-parallel degree: each group of EP ranks splits the routed experts (divides "
                                "the number of processes and the expert count; default 1)")
+    parallel.add_argument("--cp", type=_count(1), default=None,
+                          help="context-parallel degree: each group of CP consecutive ranks splits every sequence "
+                               "(divides the number of processes and --seq-len; default 1)")
     parallel.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
                           help="FSDP2: free each layer's gathered parameters after its forward (default on)")
     parallel.add_argument("--cpu-offload", action="store_true", default=None,

@@ -187,7 +187,7 @@ class KimiDeltaAttention(KeepFP32):
         if documents is not None and recurrent:  # the reference: every document a row of its own, from zero
             if initial_state_BHKV is not None:
                 raise ValueError("packed rows continuing a state (context parallelism) need kda_impl 'chunk'")
-            return kda_by_document(recurrent_kda, q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, documents), None
+            return kda_by_document(recurrent_kda, q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, documents), None
         if documents is not None:
             out = chunk_kda_by_document(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, documents,
                                         chunk_size=self.config.kda_chunk_size, **state)

@@ -24,6 +24,9 @@ MLA keys keep their documents). Padding and caches are not split (a one-line err
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_gather_single_autograd
@@ -125,6 +128,18 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> nn.Mod
     return model
 
 
+@contextlib.contextmanager
+def whole_sequences(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` takes whole sequences inside (every rank the same ones: evaluation, plots), its split restored after;
+    nothing changes for a model that is not split."""
+    (backbone,) = [m for m in model.modules() if isinstance(m, K3Model)]
+    split, backbone.sequence = backbone.sequence, WholeSequence()
+    try:
+        yield model
+    finally:
+        backbone.sequence = split
+
+
 def shard_batch(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
     """Rank `rank`'s share of a batch of whole rows [B, T]: positions [rank·T/size, (rank+1)·T/size) of
     `input_ids` (and `document_ids`, packed rows), and `targets`, the next-token targets of `next_token_loss`
@@ -138,6 +153,7 @@ def shard_batch(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[st
     targets_BT = next_token_targets(batch.get("labels", ids_BT), documents_BT)
     share = slice(rank * (T // size), (rank + 1) * (T // size))
     shard = {"input_ids": ids_BT[:, share], "targets": targets_BT[:, share]}
-    if documents_BT is not None:
-        shard["document_ids"] = documents_BT[:, share]
+    for key in ("labels", "document_ids"):  # the labels: which positions the router's balancing counts
+        if key in batch:
+            shard[key] = batch[key][:, share]
     return shard

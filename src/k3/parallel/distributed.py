@@ -9,7 +9,9 @@ training runs exactly as a single process.
 Layout: all W ranks are data-parallel; FSDP2 shards every dense parameter over all of them. Expert parallelism
 of degree `ep` (dividing W) groups the ranks into blocks of `ep` consecutive ranks; each EP rank owns
 `num_experts / ep` experts and receives the tokens routed to them from the other ranks of its block ("dp2ep":
-every rank still sees different data).
+every rank still sees different data). Context parallelism of degree `cp` (dividing W) groups the ranks into blocks
+of `cp` consecutive ranks that take the same rows of the global batch, each a share of every sequence
+(`k3.parallel.context`); FSDP2 still shards over all W ranks, whose gradients sum to the whole batch's.
 """
 
 from __future__ import annotations
@@ -36,6 +38,18 @@ class Distributed:
     mesh: DeviceMesh  # 1-D ("dp",) over all ranks: FSDP2 and the data-parallel reductions
     ep: int = 1
     ep_mesh: DeviceMesh | None = None  # ("dp_rep", "ep") view of the same ranks when ep > 1
+    cp: int = 1
+    cp_mesh: DeviceMesh | None = None  # ("data", "cp") view when cp > 1: groups of cp ranks share their sequences
+
+    @property
+    def data_rank(self) -> int:
+        """Which rows of the global batch this rank takes: its context-parallel group's index."""
+        return self.rank // self.cp
+
+    @property
+    def data_size(self) -> int:
+        """Groups of ranks taking distinct rows (all ranks without context parallelism)."""
+        return self.world_size // self.cp
 
     @property
     def is_main(self) -> bool:
@@ -44,19 +58,21 @@ class Distributed:
     def describe(self) -> str:
         """The one start-up line: world, backend, device and the parallel degrees."""
         ep = f", ep {self.ep} × replicas {self.world_size // self.ep}" if self.ep > 1 else ""
+        cp = f", cp {self.cp} (sequences split) × data {self.data_size}" if self.cp > 1 else ""
         return (f"distributed: {self.world_size} ranks ({self.backend} on {self.device.type}); FSDP2 over "
-                f"dp {self.world_size}{ep}")
+                f"dp {self.world_size}{ep}{cp}")
 
 
 def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def init_distributed(ep: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S) -> Distributed | None:
+def init_distributed(ep: int = 1, cp: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S) -> Distributed | None:
     """Join the torchrun job (None when not launched by torchrun with more than one process)."""
     if not launched_by_torchrun():
-        if ep != 1:
-            raise ValueError(f"--ep {ep} needs a multi-process torchrun job (this is a single process)")
+        for flag, value in (("--ep", ep), ("--cp", cp)):
+            if value != 1:
+                raise ValueError(f"{flag} {value} needs a multi-process torchrun job (this is a single process)")
         return None
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
@@ -64,19 +80,21 @@ def init_distributed(ep: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S) -> Distr
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return make_distributed(ep)
+    return make_distributed(ep, cp)
 
 
-def make_distributed(ep: int = 1) -> Distributed:
+def make_distributed(ep: int = 1, cp: int = 1) -> Distributed:
     """The meshes of an already initialised process group (tests join the group themselves)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    if ep < 1 or world % ep:
-        raise ValueError(f"--ep {ep} must be a positive divisor of the number of processes ({world})")
+    for flag, value in (("--ep", ep), ("--cp", cp)):
+        if value < 1 or world % value:
+            raise ValueError(f"{flag} {value} must be a positive divisor of the number of processes ({world})")
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     ep_mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp_rep", "ep")) if ep > 1 else None
-    return Distributed(rank, world, device, dist.get_backend(), mesh, ep, ep_mesh)
+    cp_mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("data", "cp")) if cp > 1 else None
+    return Distributed(rank, world, device, dist.get_backend(), mesh, ep, ep_mesh, cp, cp_mesh)
 
 
 def rank_rows(global_rows: int, world_size: int, rank: int) -> slice:

@@ -1,9 +1,9 @@
 """The options of a training run (`k3 train`) and what a resume may change (docs/architecture.md §8).
 
 `TrainArgs` checks every value when built; `for_new_run` fills the defaults, `for_resume` merges the options given
-to `--resume` with the run's own (refusing those in `RESUME_FIXED`). The parallel options (`ep`,
+to `--resume` with the run's own (refusing those in `RESUME_FIXED`). The parallel options (`ep`, `cp`,
 `reshard_after_forward`, `cpu_offload`) belong to one invocation, like `minutes` and `stop_after`: a run may be
-resumed on another number of processes or expert-parallel degree.
+resumed on another number of processes, expert- or context-parallel degree.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class TrainArgs:
     overrides: dict | None = None  # K3Config field overrides for a fresh run ({})
     # parallelism of this invocation under torchrun (never inherited by a resume; docs/architecture.md "Scale-out")
     ep: int = 1  # expert-parallel degree: divides the number of processes and the routed experts
+    cp: int = 1  # context-parallel degree: each sequence split over groups of cp ranks (divides the processes)
     reshard_after_forward: bool = True  # FSDP2: free each layer's gathered parameters after its forward
     cpu_offload: bool = False  # FSDP2: sharded parameters, gradients and optimiser states live on the CPU
 
@@ -73,7 +74,7 @@ class TrainArgs:
                 setattr(self, name, os.fspath(getattr(self, name)))
         if not self.resume and (self.steps is None) == (self.minutes is None):
             raise ValueError("give exactly one of --steps and --minutes")
-        for name in ("ep", "steps", "stop_after", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
+        for name in ("ep", "cp", "steps", "stop_after", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
                      "eval_images", "checkpoint_every"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):

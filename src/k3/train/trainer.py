@@ -40,9 +40,11 @@ from tqdm import tqdm
 from k3.config import K3Config, summarize
 from k3.fileio import atomic_directory, atomic_write, check_writable_directory, describe_error, \
     remove_stale_temporaries
-from k3.model.k3 import K3Model
+from k3.model.k3 import CausalLMOutput, K3Model
 from k3.model.observer import attach, detach
+from k3.ops.loss import IGNORE_INDEX, next_token_loss
 from k3.optim import MaxLogitRecorder, cosine_with_warmup, make_optimizers, mla_layers, qk_clip_, set_lr, wsd
+from k3.parallel.context import apply_context_parallel, shard_batch, whole_sequences
 from k3.parallel.distributed import Distributed, rank_rows
 from k3.parallel.fsdp import gathered, parallelize
 from k3.parallel.grads import clip_grad_norm_, scale_grads_
@@ -189,9 +191,16 @@ class Trainer:
                             "and must take identical greedy decisions, which expert-parallel rounding may not)")
         if a.cpu_offload and self.device.type == "cpu":
             problems.append("--cpu-offload keeps GPU shards in host memory; this job runs on the CPU already")
-        if a.batch_size % self.dist.world_size:
-            problems.append(f"--batch-size {a.batch_size} must divide evenly over the {self.dist.world_size} "
-                            "processes (each takes its share of the global batch)")
+        if a.batch_size % self.dist.data_size:
+            groups = f"{self.dist.data_size} groups of --cp {a.cp} processes" if a.cp > 1 else \
+                f"{self.dist.world_size} processes"
+            problems.append(f"--batch-size {a.batch_size} must divide evenly over the {groups} (each takes its "
+                            "share of the global batch)")
+        if a.cp > 1 and a.task != "text":
+            problems.append(f"--cp splits text sequences; --task {a.task} is not split")
+        if a.cp > 1 and a.seq_len % a.cp:
+            problems.append(f"--seq-len {a.seq_len} must divide evenly over --cp {a.cp} (each rank takes an equal "
+                            "share of every sequence)")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -217,6 +226,10 @@ class Trainer:
             apply_mxfp4_qat(self.model)
         if self.dist is not None:
             parallelize(self.model, self.dist, args.reshard_after_forward, args.cpu_offload)
+            if self.dist.cp > 1:
+                apply_context_parallel(self.model, self.dist.cp_mesh.get_group("cp"))
+                self._warn("--cp: QK-Clip's max logits cover the query-key pairs within each rank's share of a "
+                           "sequence, not the pairs across ranks")
         self.optimizers = make_optimizers(
             self.model, self.config, lr=args.lr, weight_decay=args.weight_decay, per_head_scope=args.muon_per_head,
             lr_scale=args.lr_scale, ns_dtype=torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -342,8 +355,21 @@ class Trainer:
     def _next_batch(self) -> dict[str, torch.Tensor]:
         """This rank's rows of the next global batch (all of it on one process)."""
         rows = slice(None) if self.dist is None else \
-            rank_rows(self.args.batch_size, self.dist.world_size, self.dist.rank)
-        return {k: v.to(self.device) for k, v in self.task.next_batch(rows).items()}
+            rank_rows(self.args.batch_size, self.dist.data_size, self.dist.data_rank)
+        batch = self.task.next_batch(rows)
+        if self.dist is not None and self.dist.cp > 1:  # this rank's share of every sequence
+            batch = shard_batch(batch, self.dist.rank % self.dist.cp, self.dist.cp)
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def _forward(self, batch: dict[str, torch.Tensor]) -> CausalLMOutput:
+        """The model's output and loss on a batch; a context-parallel share is scored on its `targets` (its last
+        position on the next share's first token)."""
+        if "targets" not in batch:
+            return self.model(**batch)
+        targets_BT = batch["targets"]
+        out = self.model(batch["input_ids"], document_ids=batch.get("document_ids"))
+        return CausalLMOutput(logits=out.logits, loss=next_token_loss(out.logits, targets_BT),
+                              loss_tokens=(targets_BT != IGNORE_INDEX).sum())
 
     # ------------------------------------------------------------------------------------------- the step
     def train_step(self) -> dict:
@@ -358,7 +384,7 @@ class Trainer:
             counted = self.task.counted_tokens(model, batch)
             self.balancer.set_token_mask(counted)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-                out = model(**batch)
+                out = self._forward(batch)
             summed = out.loss * out.loss_tokens  # divided by the global token count below, after backward
             summed.backward()
             sums += torch.stack([summed.detach().double(), out.loss_tokens.double(), counted.sum().double()]).cpu()
@@ -388,15 +414,16 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Token-weighted mean validation loss over the task's evaluation batches (`eval_batches` of them; router
         biases frozen), the number of tokens it scored, and the task's own metrics (caption accuracy for
-        shapes). Under torchrun every rank evaluates the same batches (the forwards are collective); rank 0's
-        numbers are reported."""
+        shapes). Under torchrun every rank evaluates the same batches (the forwards are collective), whole
+        sequences under context parallelism too; rank 0's numbers are reported."""
         self.model.eval()
         total, count = 0.0, 0
-        for batch in self.task.val_batches():
-            out = self.model(**{k: v.to(self.device) for k, v in batch.items()})
-            n = int(out.loss_tokens)  # the targets the loss kept (none across a document boundary)
-            total, count = total + out.loss.item() * n, count + n
-        return {"val_loss": total / max(count, 1), "val_tokens": count, **self.task.evaluate(self.model)}
+        with whole_sequences(self.model):
+            for batch in self.task.val_batches():
+                out = self.model(**{k: v.to(self.device) for k, v in batch.items()})
+                n = int(out.loss_tokens)  # the targets the loss kept (none across a document boundary)
+                total, count = total + out.loss.item() * n, count + n
+            return {"val_loss": total / max(count, 1), "val_tokens": count, **self.task.evaluate(self.model)}
 
     # ------------------------------------------------------------------------------------------ the run
     def save(self, final: bool = True) -> Path | None:
@@ -438,9 +465,10 @@ class Trainer:
             return None
         self.model.eval()
         probe = {k: v.to(self.device) for k, v in self.task.probe_batch().items()}
-        if self.dist is None:
-            return plots.attn_res_mixing(self.model, probe)
-        return plots.attn_res_mixing(self.model, probe, lambda: gathered(self.model))
+        with whole_sequences(self.model):
+            if self.dist is None:
+                return plots.attn_res_mixing(self.model, probe)
+            return plots.attn_res_mixing(self.model, probe, lambda: gathered(self.model))
 
     def plot(self, mixing: tuple[torch.Tensor, list[str]] | None = None) -> None:
         plots.plot_losses(self.history, self.out / "loss.png", references=self.task.references)

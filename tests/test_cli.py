@@ -473,6 +473,14 @@ def test_plan_prints_the_per_gpu_memory_and_rejects_bad_meshes(capsys):
     assert main(["plan", "k3-small", "--gpus", "8", "--gpu-memory", "80", "--ep", "3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("k3 plan: error:") and "ep" in err and err.count("\n") == 1
+    assert main(["plan", "k3-full", "--gpus", "1024", "--gpu-memory", "141", "--ep", "64", "--seq-len", "1048576",
+                 "--cp", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "1,048,576 tokens split over cp 16 ranks: 65,536 per rank" in out and "context parallel" in out
+    assert main(["plan", "k3-full", "--gpus", "1024", "--gpu-memory", "141", "--seq-len", "1000", "--cp", "16"]) == 2
+    assert "cp=16 does not divide seq_len = 1000" in capsys.readouterr().err
+    assert main(["plan", "k3-full", "--serve", "--cp", "2"]) == 2
+    assert "--cp is an option of the training plan" in capsys.readouterr().err
 
 
 def test_plan_serve_prints_weights_caches_and_the_verdict(capsys, tmp_path):

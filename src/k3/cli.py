@@ -475,7 +475,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-_TRAINING_PLAN_OPTIONS = {"ep": "--ep", "tp": "--tp", "pp": "--pp", "micro_batch": "--micro-batch",
+_TRAINING_PLAN_OPTIONS = {"ep": "--ep", "tp": "--tp", "pp": "--pp", "cp": "--cp",
+                          "micro_batch": "--micro-batch",
                           "seq_len": "--seq-len", "activation_checkpointing": "--[no-]activation-checkpointing",
                           "dry_run": "--dry-run"}
 _SERVING_PLAN_OPTIONS = {"experts": "--experts", "context": "--context", "batch": "--batch",
@@ -566,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ep", type=int, help="expert-parallel degree (divides dp and the expert count; default 1)")
     p.add_argument("--tp", type=int, help="tensor-parallel degree of the attention/KDA projections (default 1)")
     p.add_argument("--pp", type=int, help="pipeline stages, cut at AttnRes block boundaries (default 1)")
+    p.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over groups of CP ranks "
+                                          "(divides dp and --seq-len; default 1)")
     p.add_argument("--micro-batch", type=int, help="sequences per rank and micro-batch (default 1)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 4096)")
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,

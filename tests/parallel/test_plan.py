@@ -119,6 +119,37 @@ def test_layer_activation_formulas(full):
     assert layer_activations(full, 0, 1, 64).ffn == 64 * 3 * 33792 * 2 < layer_activations(full, 1, 1, 64).ffn
 
 
+def test_context_parallel_activations(full):
+    """Under cp a rank computes seq_len / cp positions, but its MLA layers keep the whole sequence's latents and
+    expanded keys (the last share attends over all of them); KDA's chunk states are twice as wide."""
+    mla = next(i for i, t in enumerate(full.layer_types) if t == "mla")
+    one, split = layer_activations(full, mla, 1, 65536), layer_activations(full, mla, 1, 65536, cp=8)
+    assert split.mla_latent == one.mla_latent == 2 * 65536 * 576
+    assert split.layer_input * 8 == one.layer_input and split.ffn * 8 == one.ffn
+    keys = 2 * 65536 * 96 * (192 + 128)  # all positions' expanded keys and values, bf16
+    assert one.mixer - split.mixer == pytest.approx((one.mixer - keys - one.mla_latent) * 7 / 8)
+    kda_one, kda_split = layer_activations(full, 1, 1, 65536), layer_activations(full, 1, 1, 65536, cp=8)
+    assert kda_split.kda_chunk_states * 4 == kda_one.kda_chunk_states  # ⌈T/C⌉ / 8 chunks, each [v ‖ 0] wide
+
+
+def test_context_parallel_plan_of_one_million_tokens(full):
+    seq, cp = 1 << 20, 16
+    one, split = plan(full, 1024, 141, ep=64, seq_len=seq), plan(full, 1024, 141, ep=64, seq_len=seq, cp=cp)
+    assert split.cp == cp and one.cp == 1 and one.cp_bytes == one.cp_ring_bytes == 0
+    assert split.activation_bytes < one.activation_bytes and split.weight_bytes == one.weight_bytes
+    assert split.all_to_all_bytes * cp == one.all_to_all_bytes  # the MoE sees this rank's tokens only
+    n, mla = seq // cp, full.layer_types.count("mla")
+    kda = full.num_hidden_layers - mla
+    per_kda = 4 * 96 * 128 * 256 + 2 * 3 * 3 * 96 * 128  # (S⁰, M) fp32 and the conv's last 3 q/k/v inputs
+    assert split.cp_bytes == 3 * (cp - 1) * (mla * 2 * n * 576 + kda * per_kda)
+    assert split.cp_ring_bytes == 3 * (cp - 1) * mla * 2 * n * 96 * (192 + 128)
+    assert split.cp_ring_bytes > 30 * split.cp_bytes  # the latents against expanded K/V (§4.3)
+    text = format_plan(split)
+    assert f"{seq:,} tokens split over cp {cp} ranks: {n:,} per rank" in text
+    assert f"context parallel {split.cp_bytes / GIB:.2f}" in text and f"{split.cp_ring_bytes / GIB:.2f}" in text
+    assert "context parallel" not in format_plan(one)
+
+
 @pytest.mark.parametrize("preset,gpus,ep", [("k3-full", 1024, 64), ("k3-small", 16, 4)])
 def test_activation_checkpointing_reduces_activations(preset, gpus, ep):
     config = K3Config.from_preset(preset)
@@ -181,6 +212,9 @@ def test_fits_against_the_usable_fraction(full):
     (dict(gpus=0), "gpus"),
     (dict(gpus=1024, micro_batch=0), "micro_batch"),
     (dict(gpus=1024, seq_len=-1), "seq_len"),
+    (dict(gpus=1024, cp=0), "cp"),
+    (dict(gpus=1024, cp=3), "cp=3"),
+    (dict(gpus=1024, cp=8, seq_len=4100), "seq_len = 4100"),
     (dict(gpus=1024, gpu_memory_gib=0), "gpu_memory_gib"),
     (dict(gpus=1024, expert_sharding="cols"), "expert_sharding"),
     (dict(gpus=1024, usable_fraction=1.5), "usable_fraction"),

@@ -1,8 +1,8 @@
 """Analytic per-GPU memory and communication plan for distributed K3 training (docs/architecture.md §2, §3.5, §4.3, §5.4, §6.4, §8.1).
 
-`plan(config, gpus, gpu_memory_gib, ep=..., tp=..., pp=..., micro_batch=..., seq_len=...)` returns a `Plan` (every
-number in bytes or elements, exact integers from the real parameter shapes); `format_plan` prints it, `Plan.to_dict`
-gives JSON. Nothing is allocated: the parameter census comes from the model's modules built on the meta device.
+`plan(config, gpus, gpu_memory_gib, ep=..., tp=..., pp=..., cp=..., micro_batch=..., seq_len=...)` returns a
+`Plan` (every number in bytes or elements, exact integers from the real parameter shapes); `format_plan` prints it,
+`Plan.to_dict` gives JSON. Nothing is allocated: the parameter census comes from the model's modules built on the meta device.
 
 Layout modelled (what the scale-out code builds):
 
@@ -20,6 +20,9 @@ Layout modelled (what the scale-out code builds):
 * pp cuts the layers at AttnRes block boundaries (§5.4); stage 0 also holds the embedding, the last one the output
   AttnRes mix, `model.norm` and `lm_head`. Blocks go to stages so as to minimise the worst stage's total bytes, and
   the worst stage is the one reported. Schedule 1F1B: stage s keeps the activations of pp − s micro-batches.
+* cp (context parallelism, k3.parallel.context) groups cp consecutive dp ranks that share their sequences: cp
+  divides dp and seq_len, a rank computes T = seq_len / cp positions of each, FSDP2 still shards over all dp ranks.
+  The rank reported holds the last share: its MLA layers attend over all S = B·seq_len gathered keys.
 
 Per parameter held (fp32 storage; FSDP mixed precision computes in bf16, the §0.4 fp32 set stays fp32):
 weights 4 B + gradients 4 B (reduced in fp32) + optimiser state: Muon momentum 4 B, AdamW exp_avg + exp_avg_sq 8 B
@@ -34,9 +37,11 @@ their inputs and fp32 statistics), with P = H·K / tp and H = heads / tp on a tp
 * AttnRes + pre-norms: 2·N·D·(4 + [bank non-empty]) for mix outputs, normed inputs and the partial sum, plus
   4·N·(2 + 2·sources) fp32 statistics;
 * KDA: 2·N·(9·P + K) (pre- and post-conv q/k/v, f_a output, core output, gate, gated-norm output; + K with the
-  low-rank gate) + 4·N·(P + H·(C + 2)) (decay g, β, WY matrix, rstd) + chunk states 4·B·H·⌈T/C⌉·K·K (§3.5);
-* MLA: 2·N·(2·q_lora + kv_lora + H·(2·(nope + rope) + 4·v)) + the latent 2·N·(kv_lora + rope) (576 at full
-  size, §4.3) + 4·N·(H + 2) (softmax LSE, rstd);
+  low-rank gate) + 4·N·(P + H·(C + 2)) (decay g, β, WY matrix, rstd) + chunk states 4·B·H·⌈T/C⌉·K·K (§3.5;
+  twice as wide under cp, [v ‖ 0] from [0 ‖ I]);
+* MLA: 2·N·(2·q_lora + kv_lora + H·(nope + rope + v + gate)) (queries, outputs) + 2·S·H·(nope + rope + v)
+  (expanded keys and values) + the latent 2·S·(kv_lora + rope) (576 at full size, §4.3) + 4·N·(H + 2) (softmax
+  LSE, rstd), with S = N without cp; gate = 2·v with the output gate;
 * dense FFN: 2·N·3·F (gate, up, product);
 * Stable LatentMoE: 2·N·(2·k·L + 3·k·M + 2·L + 3·S·M) (dispatched latents, expert gate/up/product, expert
   outputs, combined latent and its norm, shared experts of width S·M) + N·(4·E + 12·k) (scores, top-k);
@@ -52,7 +57,11 @@ decoder layer with its experts, the embedding, or the head.
 Communication per micro-batch step and rank: MoE all-to-all sent = 4 × n_moe · N·k·(ep − 1)/ep · L · 2 B (dispatch
 and combine of the latent, §6.7, forward and backward; checkpointing re-runs the forward two, reported apart), and
 the same at full width D for comparison (ratio L / D); FSDP all-gather received = 2 (forward + backward) ×
-Σ (group − 1) · shard bytes in the compute dtype; reduce-scatter sent = Σ (group − 1) · shard · 4 B.
+Σ (group − 1) · shard bytes in the compute dtype; reduce-scatter sent = Σ (group − 1) · shard · 4 B. Context
+parallelism received, per pass (forward, backward, and the recompute with checkpointing): (cp − 1) shares of
+each MLA layer's latents, 2·N·(kv_lora + rope), and of each KDA layer's (S⁰, M) states, 4·B·H·K·2K, and conv tails,
+2·B·3·(kernel − 1)·P; ring attention would pass 2·N·H·(nope + rope + v) of expanded keys and values per MLA layer
+instead of the latents (reported for comparison).
 
 `fits`: total ≤ USABLE_FRACTION (0.9) × gpu_memory_gib GiB; the rest is left to the CUDA context, NCCL buffers,
 allocator fragmentation and what is not modelled (tp activation all-reduces, Newton–Schulz workspaces, routing
@@ -188,9 +197,13 @@ class LayerActivations:
         return self.layer_input + self.attn_res + self.mixer + self.ffn
 
 
-def layer_activations(config: K3Config, layer: int, micro_batch: int, seq_len: int, tp: int = 1) -> LayerActivations:
-    """Saved-for-backward bytes of decoder layer `layer` for a micro-batch of `micro_batch` × `seq_len` tokens."""
-    B, T, N = micro_batch, seq_len, micro_batch * seq_len
+def layer_activations(config: K3Config, layer: int, micro_batch: int, seq_len: int, tp: int = 1,
+                      cp: int = 1) -> LayerActivations:
+    """Saved-for-backward bytes of decoder layer `layer` for a micro-batch of `micro_batch` sequences of `seq_len`
+    tokens, each split over `cp` context-parallel ranks (the rank holding the last share: its MLA keys span the
+    whole sequence; KDA's chunk states are twice as wide, [v ‖ 0] from [0 ‖ I]; k3.parallel.context)."""
+    B, T = micro_batch, seq_len // cp
+    N, S = B * T, B * seq_len  # this rank's tokens; the keys its MLA layers attend over
     D, bs = config.hidden_size, config.attn_res_block_size
     bank_before = -(-layer // bs)  # completed sources when the layer starts (§5.3)
     bank_after = -(-(layer + 1) // bs)
@@ -201,16 +214,16 @@ def layer_activations(config: K3Config, layer: int, micro_batch: int, seq_len: i
         H, K, C = config.kda_num_heads // tp, config.kda_head_dim, config.kda_chunk_size
         P = H * K
         gate_in = 0 if config.use_full_rank_gate else K
-        kda_states = FP32_BYTES * B * H * -(-T // C) * K * K
+        kda_states = FP32_BYTES * B * H * -(-T // C) * K * K * (2 if cp > 1 else 1)
         mixer = ACT_BYTES * N * (9 * P + K + gate_in) + FP32_BYTES * N * (P + H * (C + 2)) + kda_states
     else:
         H = config.num_attention_heads // tp
         V = config.v_head_dim
         gated = 2 * V if config.mla_use_output_gate else 0
-        mla_latent = ACT_BYTES * N * (config.kv_lora_rank + config.qk_rope_head_dim)
-        mixer = (ACT_BYTES * N * (2 * config.q_lora_rank + config.kv_lora_rank + H * (2 * config.qk_head_dim + 2 * V
-                                                                                        + gated))
-                 + mla_latent + FP32_BYTES * N * (H + 2))
+        mla_latent = ACT_BYTES * S * (config.kv_lora_rank + config.qk_rope_head_dim)
+        queries = ACT_BYTES * N * (2 * config.q_lora_rank + config.kv_lora_rank + H * (config.qk_head_dim + V + gated))
+        keys = ACT_BYTES * S * H * (config.qk_head_dim + V)  # expanded keys and values
+        mixer = queries + keys + mla_latent + FP32_BYTES * N * (H + 2)
     if config.is_moe_layer(layer):
         k, L, M = config.num_experts_per_token, config.routed_expert_hidden_size, config.moe_intermediate_size
         latent_sums = 2 if config.latent_moe_use_norm else 1
@@ -264,6 +277,7 @@ class Plan:
     ep: int
     tp: int
     pp: int
+    cp: int  # context-parallel degree (inside dp: groups of cp ranks share their sequences)
     dp: int
     efsdp: int
     expert_placement: str  # "Shard(0)" (whole experts) | "Shard(1)" (rows of every expert) | "none"
@@ -303,6 +317,8 @@ class Plan:
     all_to_all_recompute_bytes: int
     fsdp_all_gather_bytes: int
     fsdp_reduce_scatter_bytes: int
+    cp_bytes: int  # context parallelism: MLA latents + KDA states and conv tails received (forward, backward)
+    cp_ring_bytes: int  # the MLA part as ring attention would pass it: expanded keys and values
     stages: list[StageSummary] = field(default_factory=list)
 
     @property
@@ -381,9 +397,9 @@ def require_usable_fraction(value: Any) -> None:
 
 def validate_mesh(config: K3Config, gpus: int, gpu_memory_gib: float, ep: int = 1, tp: int = 1, pp: int = 1,
                   micro_batch: int = 1, seq_len: int = 4096, expert_sharding: str = "auto",
-                  usable_fraction: float = USABLE_FRACTION) -> None:
+                  usable_fraction: float = USABLE_FRACTION, cp: int = 1) -> None:
     """Raise ValueError, one line naming the option, for a mesh or batch the layout cannot realise."""
-    for name, value in (("gpus", gpus), ("ep", ep), ("tp", tp), ("pp", pp), ("micro_batch", micro_batch),
+    for name, value in (("gpus", gpus), ("ep", ep), ("tp", tp), ("pp", pp), ("cp", cp), ("micro_batch", micro_batch),
                         ("seq_len", seq_len)):
         require_positive_int(name, value)
     require_positive_gib("gpu_memory_gib", gpu_memory_gib)
@@ -395,6 +411,10 @@ def validate_mesh(config: K3Config, gpus: int, gpu_memory_gib: float, ep: int = 
     dp = gpus // (tp * pp)
     if dp % ep:
         raise ValueError(f"ep={ep} does not divide the data-parallel degree dp = gpus / (tp × pp) = {dp}")
+    if dp % cp:
+        raise ValueError(f"cp={cp} does not divide the data-parallel degree dp = gpus / (tp × pp) = {dp}")
+    if seq_len % cp:
+        raise ValueError(f"cp={cp} does not divide seq_len = {seq_len} (each rank takes an equal share)")
     if config.num_experts % ep:
         raise ValueError(f"ep={ep} does not divide the routed expert count num_experts = {config.num_experts}")
     types = set(config.layer_types)
@@ -411,10 +431,12 @@ def validate_mesh(config: K3Config, gpus: int, gpu_memory_gib: float, ep: int = 
 
 def plan(config: K3Config, gpus: int, gpu_memory_gib: float, ep: int = 1, tp: int = 1, pp: int = 1,
          micro_batch: int = 1, seq_len: int = 4096, activation_checkpointing: bool = True,
-         expert_sharding: str = "auto", usable_fraction: float = USABLE_FRACTION) -> Plan:
+         expert_sharding: str = "auto", usable_fraction: float = USABLE_FRACTION, cp: int = 1) -> Plan:
     """The per-GPU memory and communication plan of training `config` on `gpus` GPUs of `gpu_memory_gib` GiB with
-    the layout of the module docstring; `micro_batch` × `seq_len` tokens per rank and micro-batch."""
-    validate_mesh(config, gpus, gpu_memory_gib, ep, tp, pp, micro_batch, seq_len, expert_sharding, usable_fraction)
+    the layout of the module docstring; `micro_batch` sequences of `seq_len` tokens per rank and micro-batch, each
+    split over `cp` ranks."""
+    validate_mesh(config, gpus, gpu_memory_gib, ep, tp, pp, micro_batch, seq_len, expert_sharding, usable_fraction,
+                  cp)
     census = parameter_census(config)
     dp = gpus // (tp * pp)
     efsdp = dp // ep
@@ -451,12 +473,12 @@ def plan(config: K3Config, gpus: int, gpu_memory_gib: float, ep: int = 1, tp: in
         seg.all_gather_comm += (group - 1) * held * compute
         seg.reduce_scatter_comm += (group - 1) * held * FP32_BYTES
 
-    acts = [layer_activations(config, i, micro_batch, seq_len, tp) for i in range(L)]
-    head_act = head_activations(config, micro_batch, seq_len)
+    acts = [layer_activations(config, i, micro_batch, seq_len, tp, cp) for i in range(L)]
+    head_act = head_activations(config, micro_batch, seq_len // cp)
     kda_states = max(a.kda_chunk_states for a in acts)  # the same for every KDA layer
     mla_latent = max(a.mla_latent for a in acts)
     usable = int(gpu_memory_gib * GIB * usable_fraction)
-    N, D = micro_batch * seq_len, config.hidden_size
+    N, D = micro_batch * (seq_len // cp), config.hidden_size
     bs = config.attn_res_block_size
 
     def stage(index: int, first: int, end: int) -> dict[str, Any]:
@@ -484,6 +506,18 @@ def plan(config: K3Config, gpus: int, gpu_memory_gib: float, ep: int = 1, tp: in
         def a2a(width: int, transfers: int) -> int:
             return transfers * moe_layers * N * k * (ep - 1) * width * ACT_BYTES // ep
 
+        # context parallelism, per layer: the other ranks' shares of the MLA latents, or of the expanded keys and values
+        # (ring attention), and their KDA (S⁰, M) [H, K, K+V] fp32 and conv tails; each again in backward, and in the
+        # recompute with checkpointing
+        passes = 3 if activation_checkpointing else 2
+        mla = sum(config.layer_types[i] == "mla" for i in range(first, end))
+        kda = end - first - mla
+        H, Hk, K = config.num_attention_heads // tp, config.kda_num_heads // tp, config.kda_head_dim
+        latent_width = config.kv_lora_rank + config.qk_rope_head_dim
+        kda_bytes = micro_batch * (FP32_BYTES * Hk * K * 2 * K + ACT_BYTES * 3 * (config.short_conv_kernel_size - 1)
+                                   * Hk * K)
+        cp_bytes = passes * (cp - 1) * (mla * ACT_BYTES * N * latent_width + kda * kda_bytes)
+        cp_ring = passes * (cp - 1) * mla * ACT_BYTES * N * H * (config.qk_head_dim + config.v_head_dim)
         by_type: dict[str, int] = {}
         for i, a in zip(range(first, end), layers):
             name = config.layer_types[i] + ("+moe" if config.is_moe_layer(i) else "+dense")
@@ -501,6 +535,7 @@ def plan(config: K3Config, gpus: int, gpu_memory_gib: float, ep: int = 1, tp: in
             all_to_all_recompute_bytes=a2a(config.routed_expert_hidden_size, 2) if activation_checkpointing else 0,
             fsdp_all_gather_bytes=2 * sum(s.all_gather_comm for s in segs),
             fsdp_reduce_scatter_bytes=sum(s.reduce_scatter_comm for s in segs),
+            cp_bytes=cp_bytes, cp_ring_bytes=cp_ring,
         )
 
     stages = _partition(stage, [*range(0, L, bs), L], pp)
@@ -509,7 +544,7 @@ def plan(config: K3Config, gpus: int, gpu_memory_gib: float, ep: int = 1, tp: in
     expert_total = sum(t.numel for t in params if t.kind == "muon_experts")
     return Plan(
         gpus=gpus, gpu_memory_gib=float(gpu_memory_gib), usable_fraction=float(usable_fraction), ep=ep, tp=tp, pp=pp,
-        dp=dp, efsdp=efsdp, expert_placement=placement, micro_batch=micro_batch, seq_len=seq_len,
+        cp=cp, dp=dp, efsdp=efsdp, expert_placement=placement, micro_batch=micro_batch, seq_len=seq_len,
         activation_checkpointing=bool(activation_checkpointing), total_params=sum(t.numel for t in params),
         total_dense_params=sum(t.numel for t in params) - expert_total, total_expert_params=expert_total, **worst,
         stages=[StageSummary(s["stage"], s["first_layer"], s["end_layer"], s["in_flight"],
@@ -551,7 +586,9 @@ def format_plan(p: Plan) -> str:
         f"K3 training plan: {p.total_params:,} parameters ({p.total_expert_params:,} in routed experts)",
         f"mesh        {p.gpus} GPUs = pp {p.pp} × tp {p.tp} × dp {p.dp}; ep {p.ep} × efsdp {p.efsdp}; "
         f"experts {placement}",
-        f"batch       micro-batch {p.micro_batch} × {p.seq_len} tokens per rank, activation checkpointing {ckpt}",
+        (f"batch       micro-batch {p.micro_batch} × {p.seq_len:,} tokens split over cp {p.cp} ranks: "
+         f"{p.seq_len // p.cp:,} per rank, activation checkpointing {ckpt}" if p.cp > 1 else
+         f"batch       micro-batch {p.micro_batch} × {p.seq_len} tokens per rank, activation checkpointing {ckpt}"),
         f"stage       {p.stage} of {p.pp} (worst): layers {p.first_layer}-{p.end_layer - 1}{''.join(extras)}, "
         f"{p.in_flight} micro-batch(es) in flight",
         f"params/rank dense {p.dense_params_per_rank:,} + experts {p.expert_params_per_rank:,} = "
@@ -585,6 +622,9 @@ def format_plan(p: Plan) -> str:
         f"(ratio {ratio}), + {_gib(p.all_to_all_recompute_bytes)} recompute",
         f"  FSDP all-gather {_gib(p.fsdp_all_gather_bytes)}, reduce-scatter {_gib(p.fsdp_reduce_scatter_bytes)}",
     ]
+    if p.cp > 1:
+        lines.append(f"  context parallel {_gib(p.cp_bytes)} (MLA latents, KDA states; ring attention would pass "
+                     f"{_gib(p.cp_ring_bytes)} of MLA keys and values)")
     if p.pp > 1:
         lines.append("stages      " + "; ".join(f"{s.index}: layers {s.first_layer}-{s.end_layer - 1} "
                                                 f"{_gib(s.total_bytes)} GiB" for s in p.stages))

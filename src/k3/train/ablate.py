@@ -22,7 +22,7 @@ from time import perf_counter
 
 from tqdm.auto import tqdm
 
-from k3.config import K2_ARCHITECTURE, K3Config, k2_form
+from k3.config import K2_ARCHITECTURE, K3Config, k2_overrides
 from k3.fileio import atomic_write
 from k3.model.accounting import count_parameters, forward_flops_per_token, meta_model
 from k3.train import plots
@@ -105,10 +105,7 @@ class AblationArgs:
 def variant_config(args: AblationArgs, variant: Variant) -> dict:
     """The K3Config overrides of `variant` on the preset: the ablation's own, then the variant's K2 forms."""
     overrides = dict(args.overrides or {})
-    base = K3Config.from_preset(args.preset, **overrides)
-    for form in variant.k2_forms:
-        overrides |= k2_form(base, form)
-    return overrides
+    return overrides | k2_overrides(K3Config.from_preset(args.preset, **overrides), variant.k2_forms)
 
 
 def flops_per_step(args: AblationArgs, variant: Variant) -> int:

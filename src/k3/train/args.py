@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass, fields, replace
 
-from k3.config import K3Config, show_value, summarize
+from k3.config import K2_ARCHITECTURE, K3Config, show_value, summarize
 from k3.optim.groups import PER_HEAD_SCOPES
 from k3.train.balance import METHODS
 from k3.train.checkpoint import IncompatibleResume
@@ -62,6 +62,7 @@ class TrainArgs:
     seed: int | None = None  # 0
     cache_dir: str | None = None  # None: $K3_CACHE_DIR or ~/.cache/k3
     overrides: dict | None = None  # K3Config field overrides for a fresh run ({})
+    k2_forms: tuple[str, ...] | None = None  # K3 innovations replaced by their K2 forms (k3.config.k2_form; ())
     # parallelism of this invocation under torchrun (never inherited by a resume; docs/architecture.md "Scale-out")
     ep: int = 1  # expert-parallel degree: divides the number of processes and the routed experts
     cp: int = 1  # context-parallel degree: each sequence split over groups of cp ranks (divides the processes)
@@ -107,6 +108,12 @@ class TrainArgs:
             if unknown:
                 raise ValueError(f"--override: {', '.join(map(repr, unknown))} "
                                  f"{'is not a K3Config field' if len(unknown) == 1 else 'are not K3Config fields'}")
+        if self.k2_forms is not None:
+            self.k2_forms = tuple(self.k2_forms)
+            unknown = [f for f in self.k2_forms if f not in K2_ARCHITECTURE]
+            if unknown:
+                raise ValueError(f"--k2-form: {unknown[0]!r} is not a K3 innovation with a K2 form (choose from "
+                                 f"{', '.join(K2_ARCHITECTURE)})")
         if self.mxfp4_experts and self.ep > 1:
             raise ValueError("--mxfp4-experts does not combine with --ep yet (both change the routed experts' class)")
         if not isinstance(self.out, str) or not self.out:
@@ -161,7 +168,8 @@ class TrainArgs:
 DEFAULTS = {"task": "text", "seq_len": 256, "grad_accum": 1, "warmup_frac": 0.01, "schedule": "cosine",
             "weight_decay": 0.1, "clip": 1.0, "balancer": "qb", "muon_per_head": "qkv",
             "qk_clip_tau": 100.0, "eval_every": 50, "eval_batches": 16, "eval_images": 128, "checkpoint_every": 100,
-            "activation_checkpointing": False, "mxfp4_experts": False, "seed": 0, "overrides": {}}
+            "activation_checkpointing": False, "mxfp4_experts": False, "seed": 0, "overrides": {},
+            "k2_forms": ()}
 """What a TrainArgs field left at None means on a fresh run (preset and `TASK_DEFAULTS`: the task's; data:
 Shakespeare)."""
 
@@ -170,7 +178,7 @@ TASK_DEFAULTS = ("batch_size", "lr", "lr_scale", "min_lr_ratio")
 
 RESUME_FIXED = ("task", "preset", "data", "overrides", "seq_len", "batch_size", "grad_accum", "seed", "balancer",
                 "muon_per_head", "lr_scale", "schedule", "min_lr_ratio", "warmup_frac", "weight_decay", "clip", "qk_clip_tau",
-                "mxfp4_experts")
+                "mxfp4_experts", "k2_forms")
 """What defines a run, refused by `--resume`: the data (and so the tokenizer and the split), the model, the
 batches (their shape and order), the optimiser's stored hyper-parameters and the schedule's shape."""
 

@@ -128,6 +128,45 @@ def plot_captions(images, truths: list[str], predictions: list[str], path: str |
     _save(fig, path)
 
 
+def plot_recall(results: dict[str, list], path: str | os.PathLike, train_length: int | None = None) -> None:
+    """Pass-key recall (k3.train.recall): per model a heatmap of accuracy by context length (columns) and needle
+    depth (rows), and one panel of the accuracy averaged over depths against length, every model on it."""
+    fig, axes = plt.subplots(1, len(results) + 1, figsize=(4.2 * (len(results) + 1), 3.6), squeeze=False)
+    for ax, (label, cells) in zip(axes[0], results.items()):
+        lengths = sorted({c.length for c in cells})
+        depths = sorted({c.depth for c in cells})
+        grid = torch.full((len(depths), len(lengths)), float("nan"))
+        for c in cells:
+            grid[depths.index(c.depth), lengths.index(c.length)] = c.accuracy
+        ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for (i, j), value in zip(((i, j) for i in range(len(depths)) for j in range(len(lengths))), grid.flatten()):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(lengths)), [_tokens(n) for n in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=7)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth")
+        ax.set_title(label, fontsize=9)
+    ax = axes[0][-1]
+    for label, cells in results.items():
+        lengths = sorted({c.length for c in cells})
+        mean = [sum(c.hits for c in cells if c.length == n) / sum(c.samples for c in cells if c.length == n)
+                for n in lengths]
+        ax.plot(lengths, mean, marker="o", label=label)
+    if train_length:
+        ax.axvline(train_length, color="grey", linestyle=":", label=f"trained at {_tokens(train_length)}")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("recall (all depths)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    _save(fig, path)
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 2**20}M" if n % 2**20 == 0 else f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
 def _save(fig, path) -> None:
     """Write `fig` to `path` atomically (the temporary name keeps the suffix savefig takes the format from)."""
     try:

@@ -6,8 +6,9 @@
   vision-language K3 (`K3ForConditionalGeneration`): each example is `<image framing> caption: <caption><eos>`,
   the loss covers the caption and the end token only, and held-out images are scored by exact match of the
   greedy caption.
+* `RecallTask` (`k3.train.recall`) — recall of a pass key hidden in filler, scored on the key's digits.
 
-Both hand the trainer micro-batches as keyword arguments of the model's forward (labels included) — or one
+Each hands the trainer micro-batches as keyword arguments of the model's forward (labels included) — or one
 rank's rows of them (`next_batch(rows)`, torchrun) — and resume from a small JSON-able state.
 """
 
@@ -26,6 +27,7 @@ from k3.fileio import atomic_path, atomic_write
 from k3.tokenizer import K3Tokenizer, train_bpe
 from k3.train import plots
 from k3.train.checkpoint import IncompatibleResume
+from k3.train.recall import RecallTask
 from k3.train.data import Batches, corpus_fingerprint, prepare_data, spread_rows, validation_batches
 from k3.train.shapes import all_captions, caption, render, scene_for
 from k3.vision.processor import K3Processor, process_image
@@ -259,4 +261,4 @@ class ShapesTask:
         self.processor.save(directory)  # writes the tokenizer too
 
 
-TASKS = {"text": TextTask, "shapes": ShapesTask}
+TASKS = {"text": TextTask, "shapes": ShapesTask, "recall": RecallTask}

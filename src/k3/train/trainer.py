@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from k3.config import K3Config, summarize
+from k3.config import K3Config, k2_overrides, summarize
 from k3.fileio import atomic_directory, atomic_write, check_writable_directory, describe_error, \
     remove_stale_temporaries
 from k3.model.k3 import CausalLMOutput, K3Model
@@ -210,6 +210,8 @@ class Trainer:
         torch.manual_seed(args.seed)
         task = TASKS[args.task]
         config = K3Config.from_preset(args.preset, **args.overrides)
+        if args.k2_forms:
+            config = K3Config.from_preset(args.preset, **args.overrides | k2_overrides(config, args.k2_forms))
         self._build(task.model_class(config).to(self.device))
         self.step, self.total_steps, self.history, self.resumes = 0, args.steps, [], []
 

@@ -402,31 +402,42 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def cmd_eval_recall(args: argparse.Namespace) -> int:
     """`k3 eval recall`: greedy pass-key recall of each model by context length and needle depth; a table on
-    stdout, `recall.json` and `recall.png` in --out."""
+    stdout, `recall.json` and `recall.png` in --out. Cells already in --out's recall.json for the same model, seed
+    and sample count are kept, so an interrupted evaluation continues and a later call adds lengths (or models)
+    to the same plot."""
     from k3.train import plots
-    from k3.train.recall import evaluate_recall, parse_depths, parse_lengths, recall_report, run_of
+    from k3.train.recall import (cells_of, evaluate_recall, merged_cells, parse_depths, parse_lengths,
+                                 read_recall_report, recall_report, run_of)
 
     lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)
     for model_dir in args.models:
         if not os.path.isdir(model_dir):
             raise ValueError(f"model directory {model_dir!r} does not exist")
     out = Path(args.out)
+    report = read_recall_report(out / "recall.json")
     out.mkdir(parents=True, exist_ok=True)
-    results, report = {}, {}
     for model_dir in args.models:
         label, train_length = run_of(model_dir)
         model = K3ForCausalLM.from_pretrained(model_dir).eval()
+        entry = report.get(label)
+        same = (entry is not None and os.path.realpath(entry["model"]) == os.path.realpath(model_dir)
+                and entry["seed"] == args.seed)
+        earlier = cells_of(entry) if same else []
 
         def show(cell, label=label):
             print(f"{label:<16} {cell.length:>10,} tokens  depth {cell.depth:.2f}  {cell.hits:>3}/{cell.samples}  "
                   f"({cell.seconds:,.1f} s)", flush=True)
 
-        results[label] = evaluate_recall(model, lengths, depths, args.samples, args.seed, on_cell=show)
-        report[label] = recall_report(model.config, model_dir, train_length, results[label])
+        cells = evaluate_recall(model, lengths, depths, args.samples, args.seed, on_cell=show, known=earlier)
+        kept = sum(any(c is e for e in earlier) for c in cells)
+        if kept:
+            print(f"{label:<16} {kept} cells kept from {out / 'recall.json'}")
+        report[label] = recall_report(model.config, model_dir, train_length, args.seed, merged_cells(earlier, cells))
         atomic_write(out / "recall.json", json.dumps(report, indent=2) + "\n")  # after each model: kept if stopped
         del model
     train_lengths = {r["train_length"] for r in report.values()}
-    plots.plot_recall(results, out / "recall.png", train_lengths.pop() if len(train_lengths) == 1 else None)
+    plots.plot_recall({label: cells_of(r) for label, r in report.items()}, out / "recall.png",
+                      train_lengths.pop() if len(train_lengths) == 1 else None)
     print(f"wrote {out / 'recall.json'} and {out / 'recall.png'}")
     return 0
 
@@ -721,7 +732,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="needle depths: the fraction of the filler before it (default 0,0.25,0.5,0.75,1)")
     p.add_argument("--samples", type=_count(1), default=8, help="prompts per length and depth (default 8)")
     p.add_argument("--seed", type=_seed, default=0, help="the prompts (the same for every model)")
-    p.add_argument("--out", default="runs/recall-eval", help="directory of recall.json and recall.png")
+    p.add_argument("--out", default="runs/recall-eval",
+                   help="directory of recall.json and recall.png; cells already there (same model, seed and "
+                        "--samples) are kept, so a stopped evaluation continues and later calls add lengths or models")
     p.set_defaults(func=cmd_eval_recall)
     p = sub.add_parser("init", parents=[debug],
                        help="write a randomly initialised checkpoint of a preset (any width, e.g. k3-full's, cut to a "

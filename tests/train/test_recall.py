@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -103,6 +104,10 @@ def test_evaluation_cells_and_shared_prompts():
     again = evaluate_recall(model, [32], [0.0], samples=3, seed=2)
     assert again[0].keys == cells[0].keys and again[0].answers == cells[0].answers
     assert evaluate_recall(model, [32], [0.0], samples=3, seed=3)[0].keys != cells[0].keys
+    marked = dataclasses.replace(cells[0], answers=["kept"] * 3)
+    reused = evaluate_recall(model, [32], [0.0, 1.0], samples=3, seed=2, known=[marked])
+    assert reused[0] is marked and reused[1].answers == cells[1].answers
+    assert evaluate_recall(model, [32], [0.0], samples=2, seed=2, known=[marked])[0].answers != ["kept"] * 3
 
 
 def test_k2_form_option():
@@ -136,6 +141,16 @@ def test_train_both_forms_then_eval_recall(tmp_path, capsys):
     assert set(report) == {"k3", "k2"} and report["k3"]["train_length"] == 48
     assert [(c["length"], c["depth"]) for c in report["k2"]["cells"]] == [(48, 0.0), (48, 1.0), (96, 0.0), (96, 1.0)]
     assert (report_dir / "recall.png").stat().st_size > 0
+    assert main(["eval", "recall", str(runs["k3"]), "--lengths", "48,64", "--depths", "0,1", "--samples", "2",
+                 "--out", str(report_dir)]) == 0  # adds 64 to k3's cells, keeps the rest and k2's
+    lines = capsys.readouterr().out.splitlines()
+    assert sum("tokens  depth" in line for line in lines) == 2 and "2 cells kept from" in lines[-2]
+    again = json.loads((report_dir / "recall.json").read_text())
+    assert again["k2"] == report["k2"] and again["k3"]["cells"][:2] == report["k3"]["cells"][:2]
+    assert [c["length"] for c in again["k3"]["cells"]] == [48, 48, 64, 64, 96, 96]
+    (report_dir / "recall.json").write_text("{\"k3\": {\"model\": 1}}")
+    assert main(["eval", "recall", str(runs["k3"]), "--out", str(report_dir)]) == 2
+    assert "recall.json: not a recall report of `k3 eval recall` ('k3' has no cells" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -15,6 +15,7 @@ held-out prompts come from another stream and are never trained on.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import re
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from k3.config import K3Config
+from k3.fileio import describe_error
 from k3.inference import generate
 from k3.model import K3ForCausalLM
 from k3.ops.loss import IGNORE_INDEX
@@ -235,13 +237,19 @@ class RecallCell:
 
 
 def evaluate_recall(model: K3ForCausalLM, lengths: Sequence[int], depths: Sequence[float], samples: int,
-                    seed: int = 0, on_cell: Callable[[RecallCell], object] | None = None) -> list[RecallCell]:
+                    seed: int = 0, on_cell: Callable[[RecallCell], object] | None = None,
+                    known: Sequence[RecallCell] = ()) -> list[RecallCell]:
     """Greedy exact-match recall of `samples` fresh prompts per (length, depth), longest lengths last; every model
-    sees the same prompts for the same seed. `on_cell` is called after each cell."""
+    sees the same prompts for the same seed. A cell of `known` (measured earlier with this seed) with as many
+    samples is kept, not measured again; `on_cell` is called after each cell measured."""
     model.eval()
+    kept = {(c.length, c.depth): c for c in known if c.samples == samples}
     cells = []
     for length in sorted(lengths):
         for depth in depths:
+            if (length, depth) in kept:
+                cells.append(kept[length, depth])
+                continue
             started = time.perf_counter()
             g = _generator(seed, EVAL_STREAM, length * 1001 + round(depth * 1000))  # one stream per cell
             made = [make_prompt(length, depth, g) for _ in range(samples)]
@@ -279,8 +287,37 @@ def run_of(model_dir: str | os.PathLike) -> tuple[str, int | None]:
         return path.parent.name, None
 
 
-def recall_report(config: K3Config, model_dir: str | os.PathLike, train_length: int | None,
+def recall_report(config: K3Config, model_dir: str | os.PathLike, train_length: int | None, seed: int,
                   cells: Sequence[RecallCell]) -> dict:
-    """One model's results as JSON: where it came from, its form, and every cell."""
-    return {"model": str(model_dir), "form": form_of(config), "train_length": train_length,
+    """One model's results as JSON: where it came from, its form, the prompts' seed and every cell."""
+    return {"model": str(model_dir), "form": form_of(config), "train_length": train_length, "seed": seed,
             "cells": [{**asdict(c), "accuracy": c.accuracy} for c in cells]}
+
+
+def cells_of(entry: dict) -> list[RecallCell]:
+    """The cells of one model's `recall_report` entry."""
+    return [RecallCell(**{f: c[f] for f in RecallCell.__dataclass_fields__}) for c in entry["cells"]]
+
+
+def read_recall_report(path: str | os.PathLike) -> dict:
+    """An earlier `recall.json` ({} when there is none); ValueError naming the file when it cannot be read."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        report = json.loads(Path(path).read_text())
+        for label, entry in report.items():
+            missing = {"model", "form", "train_length", "seed", "cells"} - set(entry)
+            if missing:
+                raise ValueError(f"{label!r} has no {', '.join(sorted(missing))}")
+            cells_of(entry)
+        return report
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a recall report of `k3 eval recall` ({describe_error(e)}); move it away or "
+                         "choose another --out") from None
+
+
+def merged_cells(earlier: Sequence[RecallCell], measured: Sequence[RecallCell]) -> list[RecallCell]:
+    """Earlier cells at (length, depth)s not measured now, and the measured ones, by length then depth."""
+    now = {(c.length, c.depth) for c in measured}
+    return sorted([c for c in earlier if (c.length, c.depth) not in now] + list(measured),
+                  key=lambda c: (c.length, c.depth))

@@ -424,16 +424,23 @@ def cmd_eval_recall(args: argparse.Namespace) -> int:
                 and entry["seed"] == args.seed)
         earlier = cells_of(entry) if same else []
 
-        def show(cell, label=label):
+        measured = []
+
+        def show(cell, label=label, model=model, model_dir=model_dir, train_length=train_length,
+                 earlier=earlier, measured=measured):
             print(f"{label:<16} {cell.length:>10,} tokens  depth {cell.depth:.2f}  {cell.hits:>3}/{cell.samples}  "
                   f"({cell.seconds:,.1f} s)", flush=True)
+            measured.append(cell)  # written after each cell: a stopped evaluation loses at most the cell under way
+            report[label] = recall_report(model.config, model_dir, train_length, args.seed,
+                                          merged_cells(earlier, measured))
+            atomic_write(out / "recall.json", json.dumps(report, indent=2) + "\n")
 
         cells = evaluate_recall(model, lengths, depths, args.samples, args.seed, on_cell=show, known=earlier)
         kept = sum(any(c is e for e in earlier) for c in cells)
         if kept:
             print(f"{label:<16} {kept} cells kept from {out / 'recall.json'}")
         report[label] = recall_report(model.config, model_dir, train_length, args.seed, merged_cells(earlier, cells))
-        atomic_write(out / "recall.json", json.dumps(report, indent=2) + "\n")  # after each model: kept if stopped
+        atomic_write(out / "recall.json", json.dumps(report, indent=2) + "\n")
         del model
     train_lengths = {r["train_length"] for r in report.values()}
     plots.plot_recall({label: cells_of(r) for label, r in report.items()}, out / "recall.png",

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from k3.cli import main
+from k3.cli import EXIT_INTERRUPTED, main
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
 from k3.train.args import TrainArgs
@@ -116,7 +116,7 @@ def test_k2_form_option():
         TrainArgs(steps=1, k2_forms=("rope",))
 
 
-def test_train_both_forms_then_eval_recall(tmp_path, capsys):
+def test_train_both_forms_then_eval_recall(tmp_path, capsys, monkeypatch):
     """`k3 train --task recall` in the K3 and the K2 form, then `k3 eval recall` of both: table, JSON, plot."""
     runs = {}
     for name, extra in (("k3", []), ("k2", ["--k2-form", "attention"])):
@@ -148,6 +148,24 @@ def test_train_both_forms_then_eval_recall(tmp_path, capsys):
     again = json.loads((report_dir / "recall.json").read_text())
     assert again["k2"] == report["k2"] and again["k3"]["cells"][:2] == report["k3"]["cells"][:2]
     assert [c["length"] for c in again["k3"]["cells"]] == [48, 48, 64, 64, 96, 96]
+    stopped = tmp_path / "stopped"  # Ctrl-C during the second cell: the first is on disk, and a rerun keeps it
+    calls = []
+
+    def interrupted(model, prompts_BT):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return ["0000"] * len(prompts_BT)
+
+    monkeypatch.setattr("k3.train.recall.greedy_keys", interrupted)
+    assert main(["eval", "recall", str(runs["k2"]), "--lengths", "48", "--depths", "0,1", "--samples", "2",
+                 "--out", str(stopped)]) == EXIT_INTERRUPTED
+    capsys.readouterr()
+    assert [c["depth"] for c in json.loads((stopped / "recall.json").read_text())["k2"]["cells"]] == [0.0]
+    monkeypatch.undo()
+    assert main(["eval", "recall", str(runs["k2"]), "--lengths", "48", "--depths", "0,1", "--samples", "2",
+                 "--out", str(stopped)]) == 0
+    assert "1 cells kept from" in capsys.readouterr().out
     (report_dir / "recall.json").write_text("{\"k3\": {\"model\": 1}}")
     assert main(["eval", "recall", str(runs["k3"]), "--out", str(report_dir)]) == 2
     assert "recall.json: not a recall report of `k3 eval recall` ('k3' has no cells" in capsys.readouterr().err

@@ -12,6 +12,7 @@ Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architectur
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +85,76 @@ class K3Cache:
             else:
                 total += layer.conv_state_B3WP.nbytes + layer.recurrent_state_BHKV.nbytes
         return total
+
+
+    def rows(self, index: Sequence[int]) -> K3Cache:
+        """A new cache of the rows `index` (in that order), the positions that are padding in all of them dropped
+        from the left. Exact only for NoPE MLA (K3): the kept rows' positions move, their keys do not change."""
+        index_B = torch.tensor(list(index), dtype=torch.long, device=self.key_mask_BS.device)
+        real_S = self.key_mask_BS[index_B, : self.length].any(dim=0)
+        first = int(real_S.to(torch.int8).argmax()) if bool(real_S.any()) else self.length
+        return self._build(len(index), self.length - first, lambda x: x[index_B, first: self.length],
+                           lambda x: x[index_B])
+
+    @classmethod
+    def join(cls, caches: Sequence[K3Cache]) -> K3Cache:
+        """The rows of `caches` as one batch, each cache's positions moved to end at the longest one's length (the
+        positions before them are padding). Exact only for NoPE MLA (K3), where a key's position is not part of it."""
+        if not caches:
+            raise ValueError("join needs at least one cache")
+        length = max(c.length for c in caches)
+        joined = caches[0]._build(sum(c.batch_size for c in caches), length)
+        row = 0
+        for cache in caches:
+            rows, offset = slice(row, row + cache.batch_size), length - cache.length
+            joined.key_mask_BS[rows, offset:length] = cache.key_mask_BS[:, : cache.length]
+            for mine, theirs in zip(joined.layers, cache.layers):
+                if isinstance(mine, MLACache):
+                    mine.latent_BSL[rows, offset:length] = theirs.latent_BSL[:, : cache.length]
+                else:
+                    mine.conv_state_B3WP[rows] = theirs.conv_state_B3WP
+                    mine.recurrent_state_BHKV[rows] = theirs.recurrent_state_BHKV
+            row += cache.batch_size
+        return joined
+
+    def clone(self) -> K3Cache:
+        """An independent copy of the consumed positions and states (a prefix snapshot)."""
+        return self._build(self.batch_size, self.length, lambda x: x[:, : self.length], lambda x: x.clone())
+
+    def snapshot(self) -> K3Cache:
+        """The state after the consumed positions, for a prefix cache: the KDA states copied, the mask and the MLA
+        latents up to `length` shared with this cache (views: positions below `length` are never written again, and
+        `reserve` moves a growing cache to new storage). Read it through `clone`; never write to it."""
+        new = K3Cache.__new__(K3Cache)
+        new.batch_size, new.length = self.batch_size, self.length
+        new.key_mask_BS = self.key_mask_BS[:, : self.length]
+        new.layers = [MLACache(layer.latent_BSL[:, : self.length]) if isinstance(layer, MLACache) else
+                      KDACache(layer.conv_state_B3WP.clone(), layer.recurrent_state_BHKV.clone())
+                      for layer in self.layers]
+        return new
+
+    def _build(self, batch_size: int, length: int, positions=None, states=None) -> K3Cache:
+        """A cache shaped like this one with `batch_size` rows, `length` consumed positions and whole pages of
+        capacity. `positions(x)` gives the first `length` positions of the mask and of each latent, `states(x)` each
+        KDA state (None: zeros)."""
+        capacity = max(PAGE_TOKENS, -(-length // PAGE_TOKENS) * PAGE_TOKENS)
+
+        def along_positions(x: torch.Tensor) -> torch.Tensor:
+            out = x.new_zeros(batch_size, capacity, *x.shape[2:])
+            if positions is not None:
+                out[:, :length] = positions(x)
+            return out
+
+        def state(x: torch.Tensor) -> torch.Tensor:
+            return x.new_zeros(batch_size, *x.shape[1:]) if states is None else states(x)
+
+        new = K3Cache.__new__(K3Cache)
+        new.batch_size, new.length = batch_size, length
+        new.key_mask_BS = along_positions(self.key_mask_BS)
+        new.layers = [MLACache(along_positions(layer.latent_BSL)) if isinstance(layer, MLACache) else
+                      KDACache(state(layer.conv_state_B3WP), state(layer.recurrent_state_BHKV))
+                      for layer in self.layers]
+        return new
 
 
 def _grow(x: torch.Tensor, capacity: int) -> torch.Tensor:

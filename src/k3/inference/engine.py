@@ -1,0 +1,388 @@
+"""A continuous-batching engine: many sequences decoded together, one batched model call per token.
+
+The scheduler (`Engine._schedule`) runs in one thread and owns the model. Each iteration it
+1. drops the sequences that finished or were cancelled from the batch (their cache rows are freed at once),
+2. admits waiting requests while the batch has room (`max_batch`),
+3. prefills one chunk (`prefill_chunk` positions) of the oldest admitted prompt, so a long prompt interleaves with
+   decoding instead of stalling the running streams, and a prompt whose prefill completes joins the batch,
+4. decodes one token for every running sequence in one call.
+
+Every sequence keeps its own KDA states and MLA latents in one row of the batch's `K3Cache`; rows are right-aligned
+(a shorter sequence's first positions are padding), which K3's position-free MLA allows: a sequence's keys may sit
+at any position of its row. The batch's positions are those of its longest live sequence, so the cache holds
+`rows × longest live sequence`, and a finished sequence's row is dropped before the next step. Prompts prefill on
+their own single-row cache, reusing the state of a stored prefix when there is one (`k3.inference.prefix_cache`).
+
+Requests come from other threads (`submit`, `cancel`); each sequence reports its tokens through its `emit`
+callback, called from the engine thread. Shape suffixes (`x_BTD`): the legend at the top of docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.inference.generate import _check_sampling_args, sample_next_token
+from k3.inference.prefix_cache import PrefixCache
+from k3.model import K3ForCausalLM, K3ForConditionalGeneration
+from k3.model.cache import K3Cache
+
+
+class QueueFull(RuntimeError):
+    """The engine holds `max_batch` running and `max_queue` waiting sequences already."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine no longer admits requests (it is shutting down)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one sequence is continued (see `k3.inference.generate.sample_next_token`)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # report the chosen token's log-probability and this many alternatives
+    prompt_logprobs: int | None = None  # ... the same for each prompt token after the first (echo)
+
+    def __post_init__(self) -> None:
+        _check_sampling_args(self.temperature, self.top_k, self.top_p)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be an integer >= 0 or None, got {value!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+
+
+@dataclass
+class TokenLogprob:
+    """A token with its log-probability under the model and the `top` most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Event:
+    """What a sequence reports: prompt log-probabilities (once, first), a generated token, or its end."""
+
+    token_id: int | None = None
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str | None = None  # "stop" (a stop token), "length" (max_tokens or the context), "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class EngineSequence:
+    """One sequence in the engine: its prompt, how to sample it and where it stands."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[Event], None]
+    media: dict = field(default_factory=dict)
+    generator: torch.Generator | None = None
+    cache: K3Cache | None = None  # its own cache while prefilling; then a row of the batch's
+    prefilled: int = 0
+    cached_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    cancelled: bool = False
+    finished: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters of one engine since it started (read by the server's /metrics)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    waiting: int = 0
+    running: int = 0
+    prefilling: int = 0
+    max_batch: int = 1
+    decode_steps: int = 0
+    decode_rows: int = 0
+    time_to_first_token: list[float] = field(default_factory=list)
+    prefix_lookups: int = 0
+    prefix_hits: int = 0
+    prefix_tokens_reused: int = 0
+    prefix_bytes: int = 0
+    tokens_per_second: float = 0.0  # generated tokens over the last RATE_WINDOW_S seconds
+
+
+TTFT_WINDOW = 1024  # time-to-first-token samples kept for /metrics (the newest)
+RATE_WINDOW_S = 10.0  # the window of the generated tokens/s in /metrics
+
+
+class Engine:
+    """Continuous batching over one model; thread-safe `submit` / `cancel`, the model used by one thread only.
+
+    `max_context`: positions a sequence may reach (prompt + generated); `max_queue`: waiting requests beyond the
+    running batch before `submit` raises QueueFull; `prefix_cache_bytes`: the prefix cache's budget (0: off).
+    """
+
+    def __init__(self, model: K3ForCausalLM | K3ForConditionalGeneration, *, max_batch: int = 16,
+                 max_queue: int = 64, max_context: int = 8192, prefill_chunk: int = 256,
+                 prefix_cache_bytes: int = 256 << 20):
+        if not model.config.mla_use_nope:
+            raise ValueError("the batching engine moves a sequence's cached keys to other positions, which only "
+                             "position-free MLA allows; this model's MLA uses RoPE (mla_use_nope = false)")
+        for name, value in (("max_batch", max_batch), ("max_context", max_context), ("prefill_chunk", prefill_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
+        self.max_context, self.prefill_chunk = max_context, prefill_chunk
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, prefill_chunk)
+        self.suppress_ids = [model.media_placeholder_token_id] if isinstance(model, K3ForConditionalGeneration) \
+            else []
+        self._ids = itertools.count()
+        self._lock = threading.Condition()
+        self._waiting: deque[EngineSequence] = deque()
+        self._prefilling: deque[EngineSequence] = deque()
+        self._running: list[EngineSequence] = []  # in the order of the batch cache's rows
+        self._batch: K3Cache | None = None
+        self._accepting, self._stopping = True, False
+        self._stats = EngineStats(max_batch=max_batch)
+        self._token_times: deque[float] = deque()  # when each token of the last RATE_WINDOW_S seconds was sampled
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # ----------------------------------------------------------------------------------- other threads
+    def start(self) -> Engine:
+        self._thread = threading.Thread(target=self._run, name="k3-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, emit: Callable[[Event], None],
+               media: dict | None = None) -> int:
+        """Queue a sequence; returns its id. Raises ValueError for a prompt the engine cannot take, QueueFull when
+        the queue is full, EngineStopped after `shutdown`."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"the prompt holds token ids outside the vocabulary 0..{vocab - 1}")
+        if len(prompt) + params.max_tokens > self.max_context:
+            raise ValueError(f"the prompt's {len(prompt)} tokens plus max_tokens {params.max_tokens} exceed the "
+                             f"context of {self.max_context} tokens")
+        if params.prompt_logprobs is not None and media:
+            raise ValueError("prompt log-probabilities (echo) are not available for prompts with images")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seq = EngineSequence(next(self._ids), prompt, params, emit, dict(media or {}),
+                             torch.Generator().manual_seed(seed))
+        with self._lock:
+            if not self._accepting:
+                raise EngineStopped("the server is shutting down")
+            busy = len(self._running) + len(self._prefilling)
+            if len(self._waiting) >= self.max_queue + max(0, self.max_batch - busy):
+                raise QueueFull(f"{busy} sequences running and {len(self._waiting)} waiting (--max-batch "
+                                f"{self.max_batch}, queue {self.max_queue})")
+            self._waiting.append(seq)
+            self._stats.requests += 1
+            self._stats.prompt_tokens += len(prompt)
+            self._lock.notify_all()
+        return seq.seq_id
+
+    def cancel(self, seq_id: int) -> None:
+        """Stop a sequence (its client left, or a stop string was found); its row is freed before the next step."""
+        with self._lock:
+            for seq in itertools.chain(self._waiting, self._prefilling, self._running):
+                if seq.seq_id == seq_id:
+                    seq.cancelled = True
+            self._lock.notify_all()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s = self._stats
+            s.waiting, s.running, s.prefilling = len(self._waiting), len(self._running), len(self._prefilling)
+            p = self.prefix_cache
+            s.prefix_lookups, s.prefix_hits, s.prefix_tokens_reused, s.prefix_bytes = \
+                p.lookups, p.hits, p.tokens_reused, p.nbytes
+            self._trim_token_times(time.perf_counter())
+            s.tokens_per_second = len(self._token_times) / RATE_WINDOW_S
+            return EngineStats(**{**s.__dict__, "time_to_first_token": list(s.time_to_first_token)})
+
+    def running(self) -> bool:
+        """True while the engine thread is alive (it ends at `shutdown` or when the model fails: see `error`)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stop admitting, let the sequences under way finish for up to `grace_s` seconds, abort the rest, stop."""
+        with self._lock:
+            self._accepting = False
+            self._lock.wait_for(lambda: not (self._waiting or self._prefilling or self._running)
+                                or self._thread is None or not self._thread.is_alive(), timeout=grace_s)
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    # ----------------------------------------------------------------------------------- the engine thread
+    def _run(self) -> None:
+        try:
+            with torch.no_grad():
+                while self._schedule():
+                    pass
+        except BaseException as error:  # the model failed: every sequence ends, the server reports unhealthy
+            self.error = error
+        finally:
+            with self._lock:
+                for seq in itertools.chain(self._waiting, self._prefilling, self._running):
+                    if not seq.finished:
+                        self._finish(seq, "abort")
+                self._waiting.clear(), self._prefilling.clear(), self._running.clear()
+                self._batch = None
+                self._lock.notify_all()
+
+    def _schedule(self) -> bool:
+        """One iteration; False when the engine is to stop."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._stopping or self._waiting or self._prefilling or self._running)
+            if self._stopping:
+                return False
+            self._drop_ended()
+            while self._waiting and len(self._running) + len(self._prefilling) < self.max_batch:
+                seq = self._waiting.popleft()
+                if seq.cancelled:
+                    self._finish(seq, "abort")
+                else:
+                    self._prefilling.append(seq)
+            self._lock.notify_all()
+            prefilling = list(self._prefilling)
+        budget = self.prefill_chunk
+        for seq in prefilling:  # about `prefill_chunk` prompt positions per step, over as many prompts as they cover
+            budget -= self._prefill_chunk(seq)
+            if budget <= 0:
+                break
+        if self._running:
+            self._decode_step()
+        return True
+
+    def _drop_ended(self) -> None:
+        for seq in [s for s in self._prefilling if s.cancelled]:
+            self._prefilling.remove(seq)
+            self._finish(seq, "abort")
+        keep = [i for i, seq in enumerate(self._running) if not (seq.cancelled or seq.finished)]
+        for seq in self._running:
+            if seq.cancelled and not seq.finished:
+                self._finish(seq, "abort")
+        if len(keep) < len(self._running):
+            self._batch = self._batch.rows(keep) if keep else None
+            self._running = [self._running[i] for i in keep]
+
+    def _prefill_chunk(self, seq: EngineSequence) -> int:
+        """Prefill `seq`'s prompt up to its next chunk boundary (a prompt with media: all of it in one call); returns
+        the positions prefilled."""
+        if seq.cache is None:
+            seq.cache = None if seq.params.prompt_logprobs is not None or seq.media else \
+                self.prefix_cache.longest(seq.prompt_ids)
+            if seq.cache is None:
+                seq.cache = self.model.make_cache(1, capacity=len(seq.prompt_ids) + 1)
+            seq.prefilled = seq.cached_tokens = seq.cache.length
+            seq.prompt_logprobs = [None]
+        boundary = (seq.prefilled // self.prefill_chunk + 1) * self.prefill_chunk
+        end = len(seq.prompt_ids) if seq.media else min(boundary, len(seq.prompt_ids))  # whole chunks, so the
+        # calls (and their rounding) are the same whatever else runs and whether a prefix came from the cache
+        start, ids = seq.prefilled, torch.tensor([seq.prompt_ids[seq.prefilled:end]])
+        logits_TV = self.model(ids, cache=seq.cache, validate=False, **seq.media).logits[0]
+        if seq.params.prompt_logprobs is not None:
+            targets = seq.prompt_ids[seq.prefilled + 1: end + 1]
+            seq.prompt_logprobs += _logprobs(logits_TV[: len(targets)], targets, seq.params.prompt_logprobs)
+        seq.prefilled = end
+        if not seq.media and end % self.prefill_chunk == 0:
+            self.prefix_cache.store(seq.prompt_ids[:end], seq.cache)
+        if end < len(seq.prompt_ids):
+            return end - start
+        with self._lock:
+            self._prefilling.remove(seq)
+        if seq.params.prompt_logprobs is not None:
+            seq.emit(Event(prompt_logprobs=seq.prompt_logprobs))
+        if seq.params.max_tokens == 0:
+            self._finish(seq, "length")
+            return end - start
+        self._sample(seq, logits_TV[-1])
+        if not seq.finished:
+            cache, seq.cache = seq.cache, None
+            self._batch = cache if self._batch is None else K3Cache.join([self._batch, cache])
+            with self._lock:
+                self._running.append(seq)
+        return end - start
+
+    def _decode_step(self) -> None:
+        """One token for every running sequence, in one model call."""
+        ids_B1 = torch.tensor([[seq.output_ids[-1]] for seq in self._running])
+        logits_BV = self.model(ids_B1, cache=self._batch, validate=False).logits[:, -1]
+        self._stats.decode_steps += 1
+        self._stats.decode_rows += len(self._running)
+        for seq, logits_V in zip(self._running, logits_BV):
+            if not seq.cancelled:
+                self._sample(seq, logits_V)
+
+    def _sample(self, seq: EngineSequence, logits_V: torch.Tensor) -> None:
+        """Choose `seq`'s next token from `logits_V`, report it, and end the sequence where it stops."""
+        if self.suppress_ids:
+            logits_V = logits_V.index_fill(-1, torch.tensor(self.suppress_ids), -math.inf)
+        p = seq.params
+        token = int(sample_next_token(logits_V[None], p.temperature, p.top_k, p.top_p, seq.generator)[0])
+        logprob = None if p.logprobs is None else _logprobs(logits_V[None], [token], p.logprobs)[0]
+        seq.output_ids.append(token)
+        if seq.first_token_at is None:
+            seq.first_token_at = time.perf_counter()
+            ttft = self._stats.time_to_first_token
+            ttft.append(seq.first_token_at - seq.submitted)
+            del ttft[:-TTFT_WINDOW]
+        self._stats.generated_tokens += 1
+        now = time.perf_counter()
+        with self._lock:
+            self._token_times.append(now)
+            self._trim_token_times(now)
+        seq.emit(Event(token_id=token, logprob=logprob))
+        if token in p.stop_token_ids:
+            self._finish(seq, "stop")
+        elif len(seq.output_ids) >= p.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_context:
+            self._finish(seq, "length")
+
+    def _trim_token_times(self, now: float) -> None:
+        while self._token_times and self._token_times[0] < now - RATE_WINDOW_S:
+            self._token_times.popleft()
+
+    def _finish(self, seq: EngineSequence, reason: str) -> None:
+        seq.finished, seq.cache = True, None
+        with self._lock:
+            self._lock.notify_all()  # `shutdown` waits for the last sequence to end
+        seq.emit(Event(finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
+                       completion_tokens=len(seq.output_ids), cached_tokens=seq.cached_tokens))
+
+
+def _logprobs(logits_TV: torch.Tensor, targets: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Each target's log-probability under its row of logits, and the row's `top` most likely tokens."""
+    logp_TV = torch.log_softmax(logits_TV.float(), dim=-1)
+    chosen_T = logp_TV[torch.arange(len(targets)), torch.tensor(list(targets), dtype=torch.long)]
+    best = logp_TV.topk(top, dim=-1) if top else None
+    return [TokenLogprob(t, float(chosen_T[i]),
+                         [] if best is None else list(zip(best.indices[i].tolist(), best.values[i].tolist())))
+            for i, t in enumerate(targets)]

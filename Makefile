@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[train,vision,test]"
+	$(PY) -m pip install -q -e ".[train,vision,serve,test]"
 	$(PY) -m k3.ops.build
 	touch $@
 

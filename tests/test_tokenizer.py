@@ -188,10 +188,11 @@ def test_trained_special_layout(trained):
     assert [trained.token_to_id(name) for name in DEFAULT_SPECIALS[3:7]] == [n + 3, n + 4, n + 5, n + 6]
     assert trained.media_pad_token_id == n + 6
     assert trained.pad_token_id == n + 15
-    assert trained.special_tokens[f"<|reserved_token_{n + 7}|>"] == n + 7
+    assert [trained.token_to_id(name) for name in ("<|open|>", "<|close|>", "<|sep|>")] == [n + 7, n + 8, n + 9]
+    assert trained.special_tokens[f"<|reserved_token_{n + 10}|>"] == n + 10
     assert sorted(trained.special_tokens.values()) == list(range(n, 400))
     with pytest.raises(KeyError, match="not a special token"):
-        trained.token_to_id("<|open|>")
+        trained.token_to_id("<|im_end|>")
 
 
 def test_default_special_block_is_the_release_size():

@@ -258,6 +258,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from k3.serve.server import listen, load_state, run
+    except ImportError as e:
+        raise ValueError(f"k3 serve needs the serve extra (pip install 'kimi-k3[serve]'): {e}") from None
+    if not os.path.isdir(args.checkpoint):
+        raise ValueError(f"checkpoint directory {args.checkpoint!r} does not exist")
+    sock = listen(args.host, args.port)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("K3_API_KEY") or None
+    state = load_state(args.checkpoint, max_batch=args.max_batch, max_queue=args.max_queue,
+                       max_context=args.max_context, prefill_chunk=args.prefill_chunk,
+                       prefix_cache_bytes=args.prefix_cache_mib << 20, api_key=api_key,
+                       model_name=args.model_name, experts=args.experts)
+    return run(state, sock, args.grace)
+
+
 def _read_prompt_file(path: str) -> str:
     """A prompt file's text; a missing, unreadable or non-UTF-8 file is a one-line ValueError naming it."""
     try:
@@ -657,6 +673,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="routed experts in memory: as the checkpoint stores them (default), dense (MXFP4 decoded), "
                         "or mxfp4 (packed; dense ones encoded)")
     p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("serve", parents=[debug],
+                       help="an OpenAI-compatible HTTP server with continuous batching (needs the serve extra)")
+    p.add_argument("checkpoint", help="directory with config.json, safetensors weights and the tokenizer files")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_count(0), default=8000, help="default 8000; 0: any free port (printed)")
+    p.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 (default: the K3_API_KEY "
+                   "environment variable, else no key)")
+    p.add_argument("--model-name", help="the model id clients name (default: the checkpoint directory's name)")
+    p.add_argument("--max-batch", type=_count(1), default=16, help="sequences decoded together")
+    p.add_argument("--max-queue", type=_count(0), default=64, help="waiting requests beyond the batch before 429")
+    p.add_argument("--max-context", type=_count(2), default=8192, help="prompt + generated tokens per sequence")
+    p.add_argument("--prefill-chunk", type=_count(1), default=256,
+                   help="prompt tokens prefilled between two decode steps (and the prefix cache's granularity)")
+    p.add_argument("--prefix-cache-mib", type=_count(0), default=1024, help="prefix cache budget (0: off)")
+    p.add_argument("--grace", type=_finite(0), default=30.0,
+                   help="seconds the requests under way may take to finish after SIGTERM")
+    p.add_argument("--experts", choices=EXPERT_FORMS, help="routed experts in memory (as for generate)")
+    p.set_defaults(func=cmd_serve)
     p = sub.add_parser("train", parents=[debug],
                        help="train a K3 model (default: k3-tiny on the works of Shakespeare, fetched once and cached)")
     p.add_argument("--task", choices=["text", "shapes", "recall"],

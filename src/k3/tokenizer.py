@@ -91,6 +91,9 @@ DEFAULT_SPECIALS: tuple[str, ...] = (
     "<|media_content|>",
     "<|media_end|>",
     "<|media_pad|>",
+    "<|open|>",
+    "<|close|>",
+    "<|sep|>",
     "[PAD]",
 )
 """Special tokens of a trained tokenizer: the release's (§10 table, §9.9) in small.
@@ -98,7 +101,8 @@ DEFAULT_SPECIALS: tuple[str, ...] = (
 `train_bpe` gives them offsets 0, 1, 2, … in this order within the special block, except `[PAD]`, which takes the
 block's last slot as in the release (163839). With n ranks: `[BOS]` n, `[EOS]` n+1, `<|end_of_msg|>` n+2 (as in
 the release), the four media tokens n+3..n+6 (the release has n+18..n+21; packing them lets the set fit a
-16-slot block) and `[PAD]` n+slots−1.
+16-slot block), the XTML chat markers `<|open|>`, `<|close|>`, `<|sep|>` n+7..n+9 (`k3.serve.chat`) and `[PAD]`
+n+slots−1.
 """
 
 _PAD = "[PAD]"
@@ -253,6 +257,12 @@ class K3Tokenizer:
             if not 0 <= i < self.vocab_size:
                 raise ValueError(f"token id {i} is outside the vocabulary 0..{self.vocab_size - 1}")
         return self._encoding.decode(ids, errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token (a special token's name in UTF-8); ValueError outside the vocabulary."""
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside the vocabulary 0..{self.vocab_size - 1}")
+        return self._encoding.decode_single_token_bytes(token_id)
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write `tiktoken.model` and `tokenizer_config.json` into `directory` (created if needed), atomically.

@@ -641,8 +641,11 @@ class K3Processor:
             row: list[int] = []
             for piece in row_pieces:
                 if piece == self.IMAGE_PLACEHOLDER:
-                    new_items = self._annotate(_image_items, image_list[n_images], f"images[{n_images}]")
+                    framing, new_items = self.encode_image(image_list[n_images], f"images[{n_images}]")
+                    row += framing
+                    items += new_items
                     n_images += 1
+                    continue
                 elif piece == self.VIDEO_PLACEHOLDER:
                     new_items = self._annotate(process_video, video_list[n_videos], f"videos[{n_videos}]")
                     n_videos += 1
@@ -661,6 +664,12 @@ class K3Processor:
             "pixel_values": torch.cat([it.pixel_values for it in items]) if items else None,
             "grid_thws": torch.tensor([it.grid_thw for it in items], dtype=torch.long) if items else None,
         }
+
+    def encode_image(self, image: Any, where: str = "image") -> tuple[list[int], list[MediaItem]]:
+        """One image's framing tokens and media items (an animated image: its video chunks); a problem is a
+        one-line ValueError starting with `where`."""
+        items = self._annotate(_image_items, image, where)
+        return [t for item in items for t in self.media_tokens(item)], items
 
     def _annotate(self, process: Any, media: Any, where: str) -> Any:
         try:

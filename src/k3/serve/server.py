@@ -1,0 +1,71 @@
+"""`k3 serve`: load a checkpoint, start the engine, and run the HTTP app under uvicorn until SIGTERM or Ctrl-C.
+
+On either signal uvicorn stops accepting connections and lets the requests under way finish for `grace_s` seconds
+(longer ones are cancelled), then the engine stops and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+from k3.config import K3Config
+from k3.inference.engine import Engine
+from k3.model import K3ForCausalLM, K3ForConditionalGeneration
+from k3.serve.app import ServerState, create_app
+from k3.tokenizer import K3Tokenizer
+
+
+def load_state(checkpoint: str, *, max_batch: int, max_queue: int, max_context: int, prefill_chunk: int,
+               prefix_cache_bytes: int, api_key: str | None, model_name: str | None = None,
+               experts: str | None = None) -> ServerState:
+    """The model, tokenizer (and image processor, for a vision checkpoint) of `checkpoint`, behind a started engine."""
+    if not os.path.isdir(checkpoint):
+        raise ValueError(f"checkpoint directory {checkpoint!r} does not exist")
+    tokenizer = K3Tokenizer.load(checkpoint)
+    multimodal = K3Config.from_json(checkpoint).vision_config is not None
+    model_class = K3ForConditionalGeneration if multimodal else K3ForCausalLM
+    model = model_class.from_pretrained(checkpoint, experts=experts).eval()
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
+                         f"{model.config.vocab_size}")
+    processor = None
+    if multimodal:
+        from k3.vision.processor import K3Processor
+
+        processor = K3Processor.load(checkpoint, tokenizer)
+    engine = Engine(model, max_batch=max_batch, max_queue=max_queue, max_context=max_context,
+                    prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes).start()
+    name = model_name or os.path.basename(os.path.normpath(checkpoint))
+    return ServerState(engine, tokenizer, name, api_key=api_key, processor=processor)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so that a taken port fails at once (port 0: any free one)."""
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def run(state: ServerState, sock: socket.socket, grace_s: float) -> int:
+    import uvicorn
+
+    app = create_app(state)
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=grace_s, log_level="warning",
+                                           access_log=False, lifespan="off"))
+    # uvicorn re-raises the signal that stopped it once it has shut down; a no-op handler lets us exit 0 after a
+    # graceful stop instead of dying by the signal
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    print(f"k3 serve: {state.model_name} on http://{host}:{port} (max batch {state.engine.max_batch}, context "
+          f"{state.engine.max_context})", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        state.engine.shutdown(grace_s=0)
+        sock.close()
+    return 0

@@ -78,6 +78,12 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def start_server():
+    """Factory: `start_server(checkpoint, *args)` is a running `k3 serve` (kill it when done)."""
+    return Server
+
+
+@pytest.fixture(scope="session")
 def server(checkpoint):
     """The main server: a key, 16 rows, a small prefill chunk (so the prefix cache works on short prompts)."""
     s = Server(checkpoint, "--api-key", "sekret", "--max-batch", "16", "--prefill-chunk", "32",

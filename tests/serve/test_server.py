@@ -9,8 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import Server
-
 openai = pytest.importorskip("openai")
 AUTH = {"Authorization": "Bearer sekret", "Content-Type": "application/json"}
 PROMPT = "To be, or not to be, that is the question"
@@ -165,8 +163,8 @@ def test_disconnect_frees_the_row(server):
     assert _metric(server, "k3_generation_tokens_total") - before < 900
 
 
-def test_busy_server_answers_429_and_sigterm_finishes_the_stream(checkpoint):
-    server = Server(checkpoint, "--max-batch", "1", "--max-queue", "0", "--grace", "60")
+def test_busy_server_answers_429_and_sigterm_finishes_the_stream(checkpoint, start_server):
+    server = start_server(checkpoint, "--max-batch", "1", "--max-queue", "0", "--grace", "60")
     try:
         conn = server.connect()
         conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 300, "temperature": 0,
@@ -220,8 +218,8 @@ def _png_data_uri(size=(40, 30), color=(200, 30, 30)) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def test_vision_checkpoint_takes_images(vl_checkpoint):
-    server = Server(vl_checkpoint, "--model-name", "vl")
+def test_vision_checkpoint_takes_images(vl_checkpoint, start_server):
+    server = start_server(vl_checkpoint, "--model-name", "vl")
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0)
 

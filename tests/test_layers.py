@@ -1,5 +1,5 @@
 """The package's imports point one way (docs/architecture.md, "Package layers"): building blocks → model →
-generation / training / optimisation → command line, with no cycle between subpackages."""
+generation / optimisation → scale-out → training and serving → command line, with no cycle between subpackages."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ LAYERS = [
     {"model"},
     {"inference", "optim", "diagram"},
     {"parallel"},
-    {"train"},
+    {"train", "serve"},
     {"cli"},
     {"__main__"},
 ]

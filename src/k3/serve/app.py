@@ -18,10 +18,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.inference.engine import Engine, EngineStopped, Event, QueueFull, SamplingParams, TokenLogprob
@@ -31,6 +32,7 @@ from k3.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
 from k3.serve.text import TextStream
 from k3.tokenizer import K3Tokenizer
 
+CHAT_PAGE = (Path(__file__).parent / "chat.html").read_text(encoding="utf-8")  # GET /: plain HTML + JS, no build
 ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 MAX_BODY_BYTES = 16 << 20  # a request body above this is refused with 413 (an image as a data: URI fits)
 
@@ -75,6 +77,10 @@ def create_app(state: ServerState) -> FastAPI:
         state.http_requests[key] = state.http_requests.get(key, 0) + 1
         return response
 
+    @app.get("/")
+    async def chat_page() -> HTMLResponse:
+        return HTMLResponse(CHAT_PAGE)
+
     @app.get("/health")
     async def health() -> JSONResponse:
         alive = state.engine.error is None and state.engine.running()
@@ -89,7 +95,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def models(request: Request) -> dict:
         _authorise(state, request)
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "k3", "max_model_len": state.engine.max_context}]}
+                                            "owned_by": "k3", "max_model_len": state.engine.max_context,
+                                            "capabilities": {"vision": state.processor is not None}}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -4,6 +4,8 @@
     k3 diagram PRESET_OR_PATH -o FILE.{svg,png,pdf}  the architecture in one picture
     k3 ablate (--budget-minutes M | --flops F) --out DIR [--variants ...]   K3 vs K2 at equal training FLOPs
     k3 generate CHECKPOINT --prompt TEXT [--image FILE] [...]   stream a continuation (captions with --image)
+    k3 serve CHECKPOINT [--host 127.0.0.1] [--port 8000] [--api-key KEY] [...]   OpenAI-compatible HTTP server
+    torchrun --nproc_per_node N -m k3 serve CHECKPOINT --ep N   the same, the routed experts split over N processes
     k3 train [--task text|shapes] [--preset P] [--data PATH] (--steps N | --minutes M) [--out DIR] [...]
     k3 train --resume --out DIR [--steps N] [--lr LR] [...]   continue (or extend) a run with its own options
     k3 plan PRESET_OR_PATH --gpus N --gpu-memory GIB [--ep N] [...]   training memory per GPU on a mesh
@@ -259,19 +261,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """`k3 serve` in one process, or under torchrun with `--ep N`: rank 0 serves HTTP, every rank holds 1/N of the
+    routed experts (k3.parallel.expert_serving)."""
+    import torch.distributed as dist
+
     try:
-        from k3.serve.server import listen, load_state, run
+        from k3.serve.server import follow, listen, load, run, start_state
     except ImportError as e:
         raise ValueError(f"k3 serve needs the serve extra (pip install 'kimi-k3[serve]'): {e}") from None
+    from k3.parallel.distributed import init_distributed
+    from k3.parallel.expert_serving import ExpertService
+
     if not os.path.isdir(args.checkpoint):
         raise ValueError(f"checkpoint directory {args.checkpoint!r} does not exist")
-    sock = listen(args.host, args.port)
-    api_key = args.api_key if args.api_key is not None else os.environ.get("K3_API_KEY") or None
-    state = load_state(args.checkpoint, max_batch=args.max_batch, max_queue=args.max_queue,
-                       max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-                       prefix_cache_bytes=args.prefix_cache_mib << 20, api_key=api_key,
-                       model_name=args.model_name, experts=args.experts)
-    return run(state, sock, args.grace)
+    if args.ep > 1 and args.experts == "mxfp4":
+        raise ValueError("--ep shards dense routed experts: leave --experts out (dense is the default with --ep)")
+    distributed = init_distributed(ep=args.ep)
+    try:
+        if distributed is not None and distributed.ep != distributed.world_size:
+            raise ValueError(f"k3 serve under torchrun serves one endpoint from all {distributed.world_size} "
+                             f"processes: give --ep {distributed.world_size}")
+        leader = distributed is None or distributed.is_main
+        sock = listen(args.host, args.port) if leader else None  # a taken port fails before the model loads
+        loaded = load(args.checkpoint, experts="dense" if distributed is not None else args.experts)
+        experts = None if distributed is None else ExpertService(loaded.model, distributed.ep_mesh["ep"])
+        if not leader:
+            return follow(experts)
+        api_key = args.api_key if args.api_key is not None else os.environ.get("K3_API_KEY") or None
+        state = start_state(loaded, args.model_name or os.path.basename(os.path.normpath(args.checkpoint)),
+                            max_batch=args.max_batch, max_queue=args.max_queue, max_context=args.max_context,
+                            prefill_chunk=args.prefill_chunk, prefix_cache_bytes=args.prefix_cache_mib << 20,
+                            api_key=api_key, experts=experts)
+        return run(state, sock, args.grace, experts)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _read_prompt_file(path: str) -> str:
@@ -690,6 +714,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grace", type=_finite(0), default=30.0,
                    help="seconds the requests under way may take to finish after SIGTERM")
     p.add_argument("--experts", choices=EXPERT_FORMS, help="routed experts in memory (as for generate)")
+    p.add_argument("--ep", type=_count(1), default=1,
+                   help="expert parallelism under torchrun: N processes (--nproc_per_node N), rank 0 serves HTTP, "
+                        "each holds 1/N of the routed experts (dense)")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("train", parents=[debug],
                        help="train a K3 model (default: k3-tiny on the works of Shakespeare, fetched once and cached)")

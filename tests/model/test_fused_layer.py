@@ -317,7 +317,8 @@ def test_packed_experts_decode_through_the_layer_step(tiny_model, monkeypatch, d
         assert logits.dtype == dtype
         if dtype == torch.float32:
             torch.testing.assert_close(logits, dense_logits, rtol=1e-5, atol=1e-5 * dense_logits.abs().max().item())
-            assert_same_caches(cache, dense_cache, rtol=1e-5, atol=1e-5)
+            assert_same_caches(cache, dense_cache, close=lambda a, b: torch.testing.assert_close(
+                a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item())))  # 1.09e-5 seen on an AVX2 build
         else:
             ulp = 2.0 ** (torch.floor(torch.log2(dense_logits.float().abs().max())).item() - 7)
             assert (logits.float() - dense_logits.float()).abs().max() <= ulp

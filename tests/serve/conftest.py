@@ -24,11 +24,15 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, checkpoint: str, *args: str):
+    """`k3 serve checkpoint *args` on a free port (`launcher`: what runs `-m k3` instead of plain Python, e.g.
+    torchrun's module and its options)."""
+
+    def __init__(self, checkpoint: str, *args: str, launcher: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_API_KEY": ""}
-        self.proc = subprocess.Popen([sys.executable, "-m", "k3", "serve", checkpoint, "--port", str(self.port), *args],
+        self.proc = subprocess.Popen([sys.executable, *launcher, "-m", "k3", "serve", checkpoint, "--port",
+                                      str(self.port), *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                      start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -139,12 +139,15 @@ class Engine:
     """Continuous batching over one model; thread-safe `submit` / `cancel`, the model used by one thread only.
 
     `max_context`: positions a sequence may reach (prompt + generated); `max_queue`: waiting requests beyond the
-    running batch before `submit` raises QueueFull; `prefix_cache_bytes`: the prefix cache's budget (0: off).
+    running batch before `submit` raises QueueFull; `prefix_cache_bytes`: the prefix cache's budget (0: off);
+    `on_idle`: called from the engine thread after each `idle_s` seconds with nothing to run (expert-parallel
+    serving tells its other ranks to wait on, `k3.parallel.expert_serving`).
     """
 
     def __init__(self, model: K3ForCausalLM | K3ForConditionalGeneration, *, max_batch: int = 16,
                  max_queue: int = 64, max_context: int = 8192, prefill_chunk: int = 256,
-                 prefix_cache_bytes: int = 256 << 20):
+                 prefix_cache_bytes: int = 256 << 20, on_idle: Callable[[], None] | None = None,
+                 idle_s: float = 30.0):
         if not model.config.mla_use_nope:
             raise ValueError("the batching engine moves a sequence's cached keys to other positions, which only "
                              "position-free MLA allows; this model's MLA uses RoPE (mla_use_nope = false)")
@@ -155,6 +158,7 @@ class Engine:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
         self.max_context, self.prefill_chunk = max_context, prefill_chunk
+        self.on_idle, self.idle_s = on_idle, idle_s
         self.prefix_cache = PrefixCache(prefix_cache_bytes, prefill_chunk)
         self.suppress_ids = [model.media_placeholder_token_id] if isinstance(model, K3ForConditionalGeneration) \
             else []
@@ -261,7 +265,9 @@ class Engine:
     def _schedule(self) -> bool:
         """One iteration; False when the engine is to stop."""
         with self._lock:
-            self._lock.wait_for(lambda: self._stopping or self._waiting or self._prefilling or self._running)
+            work = self._lock.wait_for(lambda: bool(self._stopping or self._waiting or self._prefilling
+                                                    or self._running),
+                                       timeout=None if self.on_idle is None else self.idle_s)
             if self._stopping:
                 return False
             self._drop_ended()
@@ -280,6 +286,8 @@ class Engine:
                 break
         if self._running:
             self._decode_step()
+        if not work:  # on_idle is set and nothing arrived for idle_s seconds
+            self.on_idle()
         return True
 
     def _drop_ended(self) -> None:

@@ -1,7 +1,9 @@
 """`k3 serve`: load a checkpoint, start the engine, and run the HTTP app under uvicorn until SIGTERM or Ctrl-C.
 
 On either signal uvicorn stops accepting connections and lets the requests under way finish for `grace_s` seconds
-(longer ones are cancelled), then the engine stops and the process exits 0.
+(longer ones are cancelled), then the engine stops and the process exits 0. With expert parallelism (`--ep N` under
+torchrun) rank 0 does all of this and the other ranks only serve its MoE layers' experts
+(`k3.parallel.expert_serving`); they stop when rank 0 does.
 """
 
 from __future__ import annotations
@@ -10,18 +12,28 @@ import os
 import signal
 import socket
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 from k3.config import K3Config
 from k3.inference.engine import Engine
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
+from k3.parallel.expert_serving import ExpertService
 from k3.serve.app import ServerState, create_app
 from k3.tokenizer import K3Tokenizer
 
 
-def load_state(checkpoint: str, *, max_batch: int, max_queue: int, max_context: int, prefill_chunk: int,
-               prefix_cache_bytes: int, api_key: str | None, model_name: str | None = None,
-               experts: str | None = None) -> ServerState:
-    """The model, tokenizer (and image processor, for a vision checkpoint) of `checkpoint`, behind a started engine."""
+@dataclass
+class Loaded:
+    """A checkpoint in memory: the model, its tokenizer and, for a vision checkpoint, its image processor."""
+
+    model: K3ForCausalLM | K3ForConditionalGeneration
+    tokenizer: K3Tokenizer
+    processor: Any = None
+
+
+def load(checkpoint: str, experts: str | None = None) -> Loaded:
+    """The model, tokenizer (and image processor, for a vision checkpoint) of `checkpoint`."""
     if not os.path.isdir(checkpoint):
         raise ValueError(f"checkpoint directory {checkpoint!r} does not exist")
     tokenizer = K3Tokenizer.load(checkpoint)
@@ -36,10 +48,16 @@ def load_state(checkpoint: str, *, max_batch: int, max_queue: int, max_context: 
         from k3.vision.processor import K3Processor
 
         processor = K3Processor.load(checkpoint, tokenizer)
-    engine = Engine(model, max_batch=max_batch, max_queue=max_queue, max_context=max_context,
-                    prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes).start()
-    name = model_name or os.path.basename(os.path.normpath(checkpoint))
-    return ServerState(engine, tokenizer, name, api_key=api_key, processor=processor)
+    return Loaded(model, tokenizer, processor)
+
+
+def start_state(loaded: Loaded, name: str, *, max_batch: int, max_queue: int, max_context: int, prefill_chunk: int,
+                prefix_cache_bytes: int, api_key: str | None, experts: ExpertService | None = None) -> ServerState:
+    """The server's state over a started engine (whose idle beats keep the expert ranks waiting, when there are)."""
+    engine = Engine(loaded.model, max_batch=max_batch, max_queue=max_queue, max_context=max_context,
+                    prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes,
+                    on_idle=None if experts is None else experts.idle).start()
+    return ServerState(engine, loaded.tokenizer, name, api_key=api_key, processor=loaded.processor)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -50,7 +68,7 @@ def listen(host: str, port: int) -> socket.socket:
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def run(state: ServerState, sock: socket.socket, grace_s: float) -> int:
+def run(state: ServerState, sock: socket.socket, grace_s: float, experts: ExpertService | None = None) -> int:
     import uvicorn
 
     app = create_app(state)
@@ -68,4 +86,15 @@ def run(state: ServerState, sock: socket.socket, grace_s: float) -> int:
     finally:
         state.engine.shutdown(grace_s=0)
         sock.close()
+        if experts is not None:  # the engine thread has ended: no model call can follow
+            experts.stop()
+    return 0
+
+
+def follow(experts: ExpertService) -> int:
+    """An expert rank: serve rank 0's MoE layers until it stops. SIGTERM and Ctrl-C reach every rank of a torchrun
+    job; this rank ignores them and ends when rank 0, having finished its requests, says so."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    experts.follow()
     return 0

@@ -102,12 +102,18 @@ def test_other_calls_are_left_to_the_torch_ops(monkeypatch, case):
         assert decode.attn_res_mix(sources, norm.weight, proj.weight[0], 1e-5) is None
 
 
+# latent widths C + R: 26 (the scores row by row), 24 (a multiple of 8: eight rows at once on AVX2 / AVX-512 builds)
+LATENT_C = [20, 18]
+
+
+@pytest.mark.parametrize("C", LATENT_C)
 @pytest.mark.parametrize("threads,H", [(1, 3), (2, 3), (2, 1), (2, 2), (2, 4), (2, 5), (2, 8), (2, 9)])
-def test_mla_step_matches_the_formula_over_long_caches(threads, H):
-    """`mla_step` over 300 of 320 cached positions (several blocks, split over the threads), H heads (blocks of 1,
-    2, 4 or 8 heads, partly padded for 3, 5 and 9), B = 2, distinct widths (N 5, R 6, C 20, Vh 7), with and without
-    the gate: the float64 formula softmax([W_UKᵀ q_nope ‖ q_pe]·latent·scale) → W_UV Σ p ĉ → σ(gate)."""
-    B, N, R, C, Vh, S = 2, 5, 6, 20, 7, 300
+def test_mla_step_matches_the_formula_over_long_caches(threads, H, C):
+    """`mla_step` over 300 of 320 cached positions (several blocks, split over the threads, a last block of 44 rows),
+    H heads (blocks of 1, 2, 4 or 8 heads, partly padded for 3, 5 and 9), B = 2, distinct widths (N 5, R 6, C, Vh 7),
+    with and without the gate: the float64 formula softmax([W_UKᵀ q_nope ‖ q_pe]·latent·scale) → W_UV Σ p ĉ →
+    σ(gate)."""
+    B, N, R, Vh, S = 2, 5, 6, 7, 300
     q, latent = randn(B, 1, H, N + R, seed=20), randn(B, 320, C + R, seed=21)
     kv_b, gate = randn(H * (N + Vh), C, seed=22, scale=0.3), randn(B, 1, H * Vh, seed=23)
     W = kv_b.double().view(H, N + Vh, C)
@@ -212,10 +218,11 @@ def test_moe_routed_with_mxfp4_experts_equals_their_decoded_weights(rows, dtype)
                                atol=(1e-5 if dtype == torch.float32 else 2 ** -7) * expected.abs().max().item())
 
 
-def test_bf16_mla_step_is_the_fp32_step_rounded_once():
+@pytest.mark.parametrize("C", LATENT_C)
+def test_bf16_mla_step_is_the_fp32_step_rounded_once(C):
     """Absorbed MLA over a bf16 latent cache with a bf16 kv_b weight and gate: the fp32 step on the widened values
     (over 300 positions, several blocks and tasks), rounded once to bf16; the same shapes as the fp32 test above."""
-    B, H, N, R, C, Vh, S = 2, 3, 5, 6, 20, 7, 300
+    B, H, N, R, Vh, S = 2, 3, 5, 6, 7, 300
     q, latent = bf16(randn(B, 1, H, N + R, seed=20), randn(B, 320, C + R, seed=21))
     kv_b, gate = bf16(randn(H * (N + Vh), C, seed=22, scale=0.3), randn(B, 1, H * Vh, seed=23))
     with torch.no_grad():

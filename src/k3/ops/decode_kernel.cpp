@@ -11,6 +11,10 @@
 #include "matvec.h"
 #include "mxfp4.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -333,7 +337,8 @@ torch::Tensor moe_routed_op(const torch::Tensor &x, const torch::Tensor &z, cons
 }
 
 constexpr int64_t kHeads = 8;   // most heads whose sums one pass over the latent rows accumulates together
-constexpr int64_t kBlock = 16;  // latent rows per block: their scores, then their weighted sum, while in L1
+constexpr int64_t kBlock = 64;  // latent rows per block: their scores, then their weighted sum, while in cache (a
+                                // block's fixed costs — maximum, sum, rescale — over 64 rows, not 16: 1.3x k3-long)
 constexpr int64_t kSplit = 256;  // latent rows per task; the tasks' partial softmaxes are merged at the end
 
 // out[h] = q[h] · row for KH query rows q [KH, n]: the row (fp32 or bf16, the cache's) is loaded once per vector for
@@ -355,6 +360,67 @@ inline void dot_heads(const float *q, const T *row, int64_t n, float *out) {
   }
 }
 
+#if defined(__AVX2__)
+// Scores of 8 latent rows at once (AVX2, also in AVX-512 builds): one accumulator per row, then one transposing sum
+// of the 8 accumulators (6 hadds, 2 permutes, an add) instead of a horizontal reduction per row and head, which
+// dominated the step over the narrow latents of k3-long (24 wide: 3 products, then the reduction).
+constexpr int64_t kRows8MaxWidth = 1024;  // latent widths up to this (k3-full: 576); wider ones take dot_heads
+
+inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16 *p) {  // bf16 → fp32 exactly: the 16 bits become the high half
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// [Σ a[0], …, Σ a[7]]: each lane sum in the same order (pairs, then pairs of pairs, then the two halves)
+inline __m256 sum_lanes8(const __m256 *a) {
+  const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+template <typename T>
+const T *zero_row() {
+  static const T zeros[kRows8MaxWidth] = {};
+  return zeros;
+}
+
+// out[h·stride + r] = q[h] · row r for KH query rows q [KH, L] and the n ≤ 8 rows at `rows` (row stride L, a multiple
+// of 8); rows n..7 count as zeros. A row's score is summed in the same order wherever it sits in the block.
+template <int64_t KH, typename T>
+inline void dot_rows8(const float *q, const T *rows, int64_t L, int64_t n, float *out, int64_t stride) {
+  const T *row[8];
+  for (int64_t r = 0; r < 8; ++r) row[r] = r < n ? rows + r * L : zero_row<T>();
+  for (int64_t h = 0; h < KH; ++h) {
+    __m256 acc[8];
+    for (auto &a : acc) a = _mm256_setzero_ps();
+    for (int64_t j = 0; j < L; j += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + h * L + j);
+      for (int64_t r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qv, load8(row[r] + j), acc[r]);
+    }
+    _mm256_storeu_ps(out + h * stride, sum_lanes8(acc));
+  }
+}
+#endif
+
+// The scores q[h] · row r of KH heads and n ≤ kBlock latent rows, into p[h·kBlock + r] (r < n)
+template <int64_t KH, typename T>
+inline void block_scores(const float *q_lat, const T *latent, int64_t L, int64_t n, float *p) {
+#if defined(__AVX2__)
+  static_assert(kBlock % 8 == 0, "a block is whole groups of 8 rows");
+  if (L % 8 == 0 && L <= kRows8MaxWidth) {
+    for (int64_t r0 = 0; r0 < n; r0 += 8) dot_rows8<KH>(q_lat, latent + r0 * L, L, std::min<int64_t>(8, n - r0),
+                                                         p + r0, kBlock);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < n; ++r) {
+    float sc[KH];
+    dot_heads<KH>(q_lat, latent + r * L, L, sc);
+    for (int64_t h = 0; h < KH; ++h) p[h * kBlock + r] = sc[h];
+  }
+}
+
 // The running softmax of every head over some latent rows (online softmax): the largest score m, Σ_s e^(score_s − m)
 // and o = Σ_s e^(score_s − m) ĉ_s; heads padded to whole blocks of KH
 // (1, 2, 4 or 8: the fewest that hold a model's heads, so 2 heads do not pay for 8)
@@ -363,21 +429,21 @@ struct RunningSoftmax {
   float *max, *total, *o;  // [heads], [heads], [heads, C]
 
   // take the next n ≤ kBlock latent rows of one sequence (from `latent`, row stride L) for the queries q_lat
-  // [heads, L]
+  // [heads, L] (scaled: their products with the rows are the scores)
   template <int64_t KH, typename T>
-  void take(const float *q_lat, const T *latent, int64_t L, int64_t n, float scale) {
+  void take(const float *q_lat, const T *latent, int64_t L, int64_t n) {
     using Vec = at::vec::Vectorized<float>;
     static_assert(kBlock % Vec::size() == 0, "a block of scores is whole vectors");
     float p[KH * kBlock];  // scores, then their weights e^(score − m), of a block of KH heads
     for (int64_t h0 = 0; h0 < heads; h0 += KH) {
-      for (int64_t r = 0; r < kBlock; ++r) {
-        float sc[KH];
-        if (r < n) dot_heads<KH>(q_lat + h0 * L, latent + r * L, L, sc);
-        for (int64_t h = 0; h < KH; ++h) p[h * kBlock + r] = r < n ? sc[h] * scale : -INFINITY;
-      }
+      block_scores<KH>(q_lat + h0 * L, latent, L, n, p);
+      for (int64_t h = 0; h < KH; ++h) std::fill(p + h * kBlock + n, p + (h + 1) * kBlock, -INFINITY);
       for (int64_t h = h0; h < h0 + KH; ++h) {  // rescale the sums to the new maximum, add the block's weights
         float *ph = p + (h - h0) * kBlock;
-        const float top = std::max(max[h], *std::max_element(ph, ph + kBlock));
+        Vec most(-INFINITY);
+        for (int64_t r = 0; r < kBlock; r += Vec::size()) most = at::vec::maximum(most, Vec::loadu(ph + r));
+        const float top = std::max(max[h], at::vec::vec_reduce_all<float>(
+                                               [](Vec &x, Vec &y) { return at::vec::maximum(x, y); }, most));
         Vec sum(0.f);
         for (int64_t r = 0; r < kBlock; r += Vec::size()) {
           const Vec e = (Vec::loadu(ph + r) - Vec(top)).exp_u20();
@@ -391,13 +457,28 @@ struct RunningSoftmax {
       }
       for (int64_t c0 = 0; c0 < C; c0 += Vec::size()) {  // o += Σ_r p_r ĉ_r, KH sums in registers
         const int64_t m = std::min<int64_t>(Vec::size(), C - c0);
-        Vec acc[KH];
-        for (int64_t h = 0; h < KH; ++h) acc[h] = Vec::loadu(o + (h0 + h) * C + c0, m);
-        for (int64_t r = 0; r < n; ++r) {
-          const Vec row = k3::load(latent + r * L + c0, m);
-          for (int64_t h = 0; h < KH; ++h) acc[h] = at::vec::fmadd(Vec(p[h * kBlock + r]), row, acc[h]);
+        // even and odd rows into separate sums where there are few heads: KH chains of dependent fmas alone would
+        // wait on the fma latency (2 heads: the largest cost of k3-long's step)
+        constexpr int64_t kChains = KH <= 4 ? 2 : 1;
+        Vec acc[kChains][KH];
+        for (int64_t h = 0; h < KH; ++h) {
+          acc[0][h] = Vec::loadu(o + (h0 + h) * C + c0, m);
+          if (kChains == 2) acc[kChains - 1][h] = Vec(0.f);
         }
-        for (int64_t h = 0; h < KH; ++h) acc[h].store(o + (h0 + h) * C + c0, m);
+        int64_t r = 0;
+        for (; r + kChains <= n; r += kChains)
+          for (int64_t c = 0; c < kChains; ++c) {
+            const Vec row = k3::load(latent + (r + c) * L + c0, m);
+            for (int64_t h = 0; h < KH; ++h) acc[c][h] = at::vec::fmadd(Vec(p[h * kBlock + r + c]), row, acc[c][h]);
+          }
+        for (; r < n; ++r) {
+          const Vec row = k3::load(latent + r * L + c0, m);
+          for (int64_t h = 0; h < KH; ++h) acc[0][h] = at::vec::fmadd(Vec(p[h * kBlock + r]), row, acc[0][h]);
+        }
+        for (int64_t h = 0; h < KH; ++h) {
+          if (kChains == 2) acc[0][h] = acc[0][h] + acc[kChains - 1][h];
+          acc[0][h].store(o + (h0 + h) * C + c0, m);
+        }
       }
     }
   }
@@ -441,6 +522,7 @@ torch::Tensor mla_step(const torch::Tensor &q_in, const torch::Tensor &latent, i
 #pragma omp simd
           for (int64_t c = 0; c < C; ++c) ql[c] += qh[n] * static_cast<float>(w_uk[n * C + c]);
         for (int64_t r = 0; r < R; ++r) ql[C + r] = qh[N + r];
+        for (int64_t c = 0; c < L; ++c) ql[c] *= static_cast<float>(scale);  // the scores come out scaled
       }
     });
   });
@@ -455,12 +537,11 @@ torch::Tensor mla_step(const torch::Tensor &q_in, const torch::Tensor &latent, i
           const float *ql = q_lat.data() + b * Hp * L;
           const auto *rows = lp + (b * cap + s) * L;
           const int64_t n = std::min(kBlock, last - s);
-          const float sc = static_cast<float>(scale);
           switch (KH) {
-            case 1: run.take<1>(ql, rows, L, n, sc); break;
-            case 2: run.take<2>(ql, rows, L, n, sc); break;
-            case 4: run.take<4>(ql, rows, L, n, sc); break;
-            default: run.take<kHeads>(ql, rows, L, n, sc);
+            case 1: run.take<1>(ql, rows, L, n); break;
+            case 2: run.take<2>(ql, rows, L, n); break;
+            case 4: run.take<4>(ql, rows, L, n); break;
+            default: run.take<kHeads>(ql, rows, L, n);
           }
         }
       }

@@ -1,12 +1,15 @@
 # Set-up and the two project commands. Both create/reuse the venv in $(VENV); the CPU torch wheel is installed
 # first so that pip never pulls a multi-GB CUDA build (override TORCH_SPEC on a GPU machine); the
-# CPU kernels are compiled once at the end (k3/ops/compiled.py; where they cannot be, the torch ops serve).
+# CPU kernels are compiled once at the end (k3/ops/compiled.py): a kernel that fails to build stops the set-up with
+# the compiler's report, unless KERNELS=optional lets the slower torch ops serve in its place.
 VENV ?= .venv
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
+KERNELS ?= required
 PY := $(VENV)/bin/python
+export K3_KERNELS := $(KERNELS)
 
-.PHONY: demo demo-vision info diagram test bench clean
+.PHONY: demo demo-vision info diagram test test-slow bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +53,10 @@ diagram: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# the long-running extras `make test` leaves out (torchrun resumes across world sizes, a killed rank, 32K context)
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -q -m slow
 
 # every benchmark in its quick form (a few minutes on 2 cores); run a script without --quick for the full tables
 bench: $(VENV)/.installed

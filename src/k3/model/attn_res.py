@@ -10,7 +10,7 @@ from torch import nn
 
 from k3.ops import decode
 from k3.ops.norm import RMSNorm, normalized_key_mix
-from k3.ops.precision import fp32
+from k3.ops.precision import fp32, without_autocast
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
@@ -40,5 +40,7 @@ def _weights(V_SBTD: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torc
     """softmax over the fp32 sources of key(V)·q = (V·q) / sqrt(mean(V²)+ε), one source at a time: no normalised
     (or stacked) copy of the sources."""
     query_D = (norm.weight * proj.weight[0]).to(V_SBTD[0].dtype)  # γ ⊙ w
-    logits_SBT = torch.stack([(V_BTD @ query_D) * torch.rsqrt(V_BTD.pow(2).mean(-1) + norm.eps) for V_BTD in V_SBTD])
+    with without_autocast(query_D.device):  # fp32 logits under a caller's bf16 autocast too (§0.4)
+        logits_SBT = torch.stack([(V_BTD @ query_D) * torch.rsqrt(V_BTD.pow(2).mean(-1) + norm.eps)
+                                  for V_BTD in V_SBTD])
     return torch.softmax(logits_SBT, dim=0)

@@ -17,7 +17,7 @@ from k3.model.ffn import SiTUMLP, glu_activation
 from k3.ops import compiled, decode
 from k3.ops.experts import dense_expert, expert_ffn, expert_weight
 from k3.ops.norm import RMSNorm
-from k3.ops.precision import KeepFP32, fp32
+from k3.ops.precision import KeepFP32, fp32, without_autocast
 from k3.ops.matvec import Linear
 
 
@@ -42,7 +42,8 @@ class MoEGate(KeepFP32):
         """Returns (top-k expert indices [N, k] int64, their fp32 weights [N, k])."""
         cfg = self.config
         x_ND = fp32(x_ND)
-        scores_NE = torch.sigmoid(x_ND @ self.weight.to(x_ND.dtype).t())
+        with without_autocast(x_ND.device):  # fp32 scores under a caller's bf16 autocast too (§0.4)
+            scores_NE = torch.sigmoid(x_ND @ self.weight.to(x_ND.dtype).t())
         choice_NE = scores_NE + self.e_score_correction_bias  # selection only
         if cfg.num_expert_group > 1 and cfg.topk_group < cfg.num_expert_group:
             choice_NE = self._limit_groups(choice_NE)

@@ -5,7 +5,8 @@ per kernel) into PyTorch's per-user extension cache (`$TORCH_EXTENSIONS_DIR`, el
 directory per kernel, CPU capability (`-mavx2 -mfma` where PyTorch itself runs AVX2 kernels), Python and PyTorch
 version, and returns the module; later processes load it from there. Where it cannot be built (no
 compiler), `load` returns None and `available` warns once with the reason: every caller then keeps its torch ops.
-`python -m k3.ops.build` builds them all ahead of time (`make` does, while installing).
+`python -m k3.ops.build` builds them all ahead of time (`make` does, while installing) and fails loudly where one
+cannot be built, unless told that the torch ops may serve (`--allow-missing`, `K3_KERNELS=optional`).
 """
 
 import functools
@@ -56,8 +57,14 @@ def build(name: str):
                                 extra_include_paths=[here], extra_ldflags=["-fopenmp"],
                                 build_directory=_build_directory(name, capability), verbose=False)
     except Exception as err:  # no compiler, no ninja, a failed build: the torch ops serve every call
-        return None, f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+        return None, f"{type(err).__name__}: {str(err).strip()}"  # the builder's whole report (compiler output)
     return module, None
+
+
+def summary(why: str) -> str:
+    """The last line of a build failure's report (its cause, for one-line messages)."""
+    lines = [line for line in why.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else why
 
 
 def _build_directory(name: str, capability: str) -> str:
@@ -105,5 +112,6 @@ def load(name: str):
     """The compiled module `name`, or None where it could not be built (warned once, with the reason)."""
     module, why = build(name)
     if module is None:
-        warnings.warn(f"the compiled {name} kernel is unavailable ({why}); the torch ops serve instead", stacklevel=2)
+        warnings.warn(f"the compiled {name} kernel is unavailable ({summary(why)}); the torch ops serve instead",
+                      stacklevel=2)
     return module

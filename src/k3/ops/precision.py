@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -39,3 +41,16 @@ class KeepFP32(nn.Module):
         super()._apply(fn, recurse)
         self.pin_fp32()
         return self
+
+
+
+def without_autocast(device: torch.device):
+    """A context with autocast off on `device` (a no-op where it is off already): the products that §0.4 keeps in
+    fp32 — the router, the KDA core, the norms' statistics, the AttnRes mix — stay fp32 inside a caller's
+    `torch.autocast` too, which would run them in bf16 (6 of 64 k3-tiny tokens routed differently; the KDA core's
+    backward met bf16 gradients beside fp32 operands). Costs one check where autocast is off."""
+    try:
+        enabled = torch.is_autocast_enabled(device.type)
+    except RuntimeError:  # a device type autocast does not know (meta): nothing to turn off
+        enabled = False
+    return torch.autocast(device.type, enabled=False) if enabled else contextlib.nullcontext()

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from k3.ops.kda import cpu
 from k3.ops.kda.function import MAX_EXPONENT, SUB_CHUNK, ChunkKDAFunction
-from k3.ops.kda.naive import prepare_inputs, without_autocast
+from k3.ops.kda.naive import prepare_inputs
+from k3.ops.precision import without_autocast
 
 BACKENDS = ("auto", "torch", "compiled")
 

@@ -5,9 +5,9 @@ Also holds the argument checks and the dtype rule shared by both KDA ops: everyt
 """
 # Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 
-import contextlib
-
 import torch
+
+from k3.ops.precision import without_autocast
 
 
 def _check_shape(name, x, expected, layout):
@@ -44,18 +44,6 @@ def prepare_inputs(q, k, v, g, beta, scale, initial_state):
         initial_state = q.new_zeros(B, H, K, V, dtype=dtype)
     q, k, v, g, beta, S_BHKV = (x.to(dtype) for x in (q, k, v, g, beta, initial_state))
     return q * scale, k, v, g, beta, S_BHKV
-
-
-def without_autocast(device: torch.device):
-    """A context with autocast off on `device` (a no-op where it is off already): the KDA core keeps its compute
-    dtype (§0.4) inside a caller's `torch.autocast` too. Autocast would run its matmuls in bf16, and the backward
-    of `ChunkKDAFunction`, which runs outside autocast, then met bf16 gradients next to fp32 operands (a
-    RuntimeError in the torch ops' backward of every bf16-autocast training step that they served)."""
-    try:
-        enabled = torch.is_autocast_enabled(device.type)
-    except RuntimeError:  # a device type autocast does not know (meta): nothing to turn off
-        enabled = False
-    return torch.autocast(device.type, enabled=False) if enabled else contextlib.nullcontext()
 
 
 def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):

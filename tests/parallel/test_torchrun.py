@@ -216,7 +216,7 @@ def test_killed_rank_stops_the_job_and_resume_continues(runs):
     assert proc.returncode != 0, output[-2000:]
     stopped_at = int(latest_checkpoint(out).name.removeprefix("step_"))
     assert 4 <= stopped_at < 40
-    resumed = k3_train(tmp, out, "--resume", "--steps", "40", nproc=2)
+    resumed = k3_train(tmp, out, "--resume", nproc=2, steps=40)
     assert f"resumed from {latest_checkpoint(out).parent / f'step_{stopped_at:07d}'}" in resumed.stdout or \
         "resumed from" in resumed.stdout
     assert sorted(metrics(out))[-1] == 40

@@ -702,7 +702,7 @@ _TINY_VISION = K3VisionConfig(
 # Every preset carries max_position_embeddings: the field's default, the release's 1,048,576, for the K3 ones (NoPE
 # MLA and KDA have no positional limit, and nothing in k3 reads it as one), K2's 131,072 for kimi-k2.
 # The small presets chunk KDA by 32 tokens (the knob's default is 64): with head widths of 32 and 64 the compiled
-# CPU core runs 32-token chunks 8–12 % faster, and packed documents pad less (docs/benchmarks.md, Dec 2 evening).
+# CPU core runs 32-token chunks 8–12 % faster, and packed documents pad less.
 PRESETS: dict[str, dict[str, Any]] = {
     # the released numbers (§1.1, §1.2): text model, MoonViT-V2 and projector
     "k3-full": {"multimodal": multimodal_top_level(K3VisionConfig(), 163605)},

@@ -1,4 +1,4 @@
-"""Process-wide settings that make k3 fast without environment variables (docs/benchmarks.md, "KDA core", "Dec 3").
+"""Process-wide settings that make k3 fast without environment variables.
 
 `keep_freed_memory()`: by default glibc hands every large freed block (≥ 128 KiB, adaptively up to 32 MiB) back
 to the operating system and trims the heap top, so a training step, which frees and re-allocates the same

@@ -106,7 +106,7 @@ def test_train_resume_and_caption_cli(tmp_path, capsys):
 
 
 def test_each_task_has_its_own_batch_and_rate():
-    """Unset, --batch-size, --lr and --min-lr-ratio take the task's tuned values (docs/benchmarks.md); given,
+    """Unset, --batch-size, --lr and --min-lr-ratio take the task's tuned values (docs/demo.md); given,
     they are kept."""
     shapes = TrainArgs(task="shapes", steps=1).for_new_run()
     assert ((shapes.preset, shapes.batch_size, shapes.lr, shapes.lr_scale, shapes.min_lr_ratio)

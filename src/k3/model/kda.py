@@ -46,7 +46,7 @@ def short_conv(x_BTP: torch.Tensor, weight_P1W: torch.Tensor, context_BWP: torch
     reads an input of another document (packed rows, §3.8). Returns (output [B,T,P], the last W−1
     inputs [B,W−1,P] = the context of the next call).
 
-    y_t = Σ_j w_j · x_{t−(W−1)+j}, computed the fastest way measured on CPU (docs/benchmarks.md, "Decode"): one
+    y_t = Σ_j w_j · x_{t−(W−1)+j}, computed the fastest way measured on CPU: one
     token (decoding) as a product with its window, training (gradients or documents) by the compiled kernel
     (`k3.ops.kda.conv`; where it does not serve, as W shifted products), a no-grad multi-token call (prefill) by
     `conv1d`.

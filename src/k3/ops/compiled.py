@@ -31,7 +31,7 @@ KERNELS = {  # name: source file, relative to this package
     "attention": os.path.join("attention", "cpu_kernel.cpp"),  # blocked causal softmax attention (k3.ops.attention)
 }
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-MAX_ROWS = 4  # the few-row kernels serve calls of at most this many rows (decoding; docs/benchmarks.md, Dec 2)
+MAX_ROWS = 4  # the few-row kernels serve calls of at most this many rows (decoding): beyond, a matrix product wins
 STALE_LOCK_S = 600.0  # a build takes ≈ 40 s: a lock file this old was left by a killed build
 _VECTOR_FLAGS = {  # by the capability PyTorch itself detected on this CPU; the defines select ATen's matching
     # `Vectorized` (its SLEEF tanh and exp, exported by PyTorch's library)

@@ -42,7 +42,7 @@ class TextTask:
     default_preset = "k3-tiny"
     default_batch_size = 16  # rows of seq_len tokens
     default_lr = 0.03  # tuned on the k3-tiny Shakespeare demo
-    default_lr_scale = {"embed": 5.0, "muon": 0.5}  # likewise (docs/benchmarks.md, "The demo's recipe")
+    default_lr_scale = {"embed": 5.0, "muon": 0.5}  # likewise (docs/demo.md, "Why this recipe")
     default_min_lr_ratio = 0.1  # the cosine ends at 10 % of the peak
 
     def __init__(self, config: K3Config, *, data: str | None, seq_len: int, batch_size: int, seed: int,
@@ -131,12 +131,12 @@ class ShapesTask:
     name = "shapes"
     model_class = K3ForConditionalGeneration
     default_preset = "k3-tiny-vl"
-    default_batch_size = 32  # images: the step costs 20 ms an image at 32 against 28 at 16 (docs/benchmarks.md)
-    default_lr = 0.0025  # tuned on the k3-tiny-vl demo (docs/benchmarks.md); at 0.01 and above the captions ignore
+    default_batch_size = 32  # images: the step costs 20 ms an image at 32 against 28 at 16 (docs/demo.md)
+    default_lr = 0.0025  # tuned on the k3-tiny-vl demo (docs/demo.md); at 0.01 and above the captions ignore
     # the image for long
     default_lr_scale: dict[str, float] = {}  # one rate for every group
     default_min_lr_ratio = 0.3  # the cosine ends at 30 % of the peak: +5 points of exact match over 0.1 on three
-    # seeds at 480 steps (docs/benchmarks.md)
+    # seeds at 480 steps (docs/demo.md)
 
     def __init__(self, config: K3Config, *, batch_size: int, seed: int, eval_images: int = 128,
                  tokenizer: K3Tokenizer | None = None, eval_batches: int | None = None):

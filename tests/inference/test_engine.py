@@ -158,3 +158,27 @@ def test_bad_requests_are_named(model):
     rope = k3.K3Config.from_preset("k3-tiny", mla_use_nope=False)
     with pytest.raises(ValueError, match="RoPE"):
         Engine(k3.K3ForCausalLM(rope))
+
+
+def test_a_padded_vocabulary_samples_only_decodable_ids(model):
+    """A model whose vocabulary is padded beyond its tokenizer's (vocab_size): every sampled id, greedy or not, and
+    every reported alternative lies below it, and greedy is the argmax over those ids; a prompt id beyond it is
+    refused."""
+    V = 1000
+    prompts = _prompts(model, [6, 9], seed=3)
+    prompts = [[t % V for t in p] for p in prompts]
+    engine = Engine(model, max_batch=4, prefill_chunk=8, vocab_size=V).start()
+    try:
+        (greedy, _), (sampled, _) = (_run(engine, prompts, SamplingParams(max_tokens=6, temperature=t, seed=1))
+                                     for t in (0.0, 1.5))
+        assert all(t < V for row in greedy + sampled for t in row)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompts[0]])).logits[0, -1]
+        assert int(logits.argmax()) >= V  # the unmasked choice would have been undecodable: the mask matters
+        assert greedy[0][0] == int(logits[:V].argmax())
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.submit([V + 5], SamplingParams(max_tokens=1), lambda event: None)
+    finally:
+        engine.shutdown(grace_s=0)
+    with pytest.raises(ValueError, match="vocab_size"):
+        Engine(model, vocab_size=model.config.vocab_size + 1)

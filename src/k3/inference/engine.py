@@ -141,13 +141,15 @@ class Engine:
     `max_context`: positions a sequence may reach (prompt + generated); `max_queue`: waiting requests beyond the
     running batch before `submit` raises QueueFull; `prefix_cache_bytes`: the prefix cache's budget (0: off);
     `on_idle`: called from the engine thread after each `idle_s` seconds with nothing to run (expert-parallel
-    serving tells its other ranks to wait on, `k3.parallel.expert_serving`).
+    serving tells its other ranks to wait on, `k3.parallel.expert_serving`); `vocab_size`: sample (and report
+    log-probabilities) over the ids below it only, those the tokenizer can decode, where the model's vocabulary is
+    padded beyond the tokenizer's (default: the model's).
     """
 
     def __init__(self, model: K3ForCausalLM | K3ForConditionalGeneration, *, max_batch: int = 16,
                  max_queue: int = 64, max_context: int = 8192, prefill_chunk: int = 256,
                  prefix_cache_bytes: int = 256 << 20, on_idle: Callable[[], None] | None = None,
-                 idle_s: float = 30.0):
+                 idle_s: float = 30.0, vocab_size: int | None = None):
         if not model.config.mla_use_nope:
             raise ValueError("the batching engine moves a sequence's cached keys to other positions, which only "
                              "position-free MLA allows; this model's MLA uses RoPE (mla_use_nope = false)")
@@ -160,8 +162,11 @@ class Engine:
         self.max_context, self.prefill_chunk = max_context, prefill_chunk
         self.on_idle, self.idle_s = on_idle, idle_s
         self.prefix_cache = PrefixCache(prefix_cache_bytes, prefill_chunk)
+        if vocab_size is not None and not 1 <= vocab_size <= model.config.vocab_size:
+            raise ValueError(f"vocab_size must be in 1..{model.config.vocab_size} (the model's), got {vocab_size!r}")
+        self.vocab_size = vocab_size or model.config.vocab_size
         self.suppress_ids = [model.media_placeholder_token_id] if isinstance(model, K3ForConditionalGeneration) \
-            else []
+            and model.media_placeholder_token_id < self.vocab_size else []
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._waiting: deque[EngineSequence] = deque()
@@ -187,7 +192,7 @@ class Engine:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("the prompt is empty")
-        vocab = self.model.config.vocab_size
+        vocab = self.vocab_size
         if not all(0 <= t < vocab for t in prompt):
             raise ValueError(f"the prompt holds token ids outside the vocabulary 0..{vocab - 1}")
         if len(prompt) + params.max_tokens > self.max_context:
@@ -316,7 +321,7 @@ class Engine:
         end = len(seq.prompt_ids) if seq.media else min(boundary, len(seq.prompt_ids))  # whole chunks, so the
         # calls (and their rounding) are the same whatever else runs and whether a prefix came from the cache
         start, ids = seq.prefilled, torch.tensor([seq.prompt_ids[seq.prefilled:end]])
-        logits_TV = self.model(ids, cache=seq.cache, validate=False, **seq.media).logits[0]
+        logits_TV = self.model(ids, cache=seq.cache, validate=False, **seq.media).logits[0, :, :self.vocab_size]
         if seq.params.prompt_logprobs is not None:
             targets = seq.prompt_ids[seq.prefilled + 1: end + 1]
             seq.prompt_logprobs += _logprobs(logits_TV[: len(targets)], targets, seq.params.prompt_logprobs)
@@ -343,7 +348,7 @@ class Engine:
     def _decode_step(self) -> None:
         """One token for every running sequence, in one model call."""
         ids_B1 = torch.tensor([[seq.output_ids[-1]] for seq in self._running])
-        logits_BV = self.model(ids_B1, cache=self._batch, validate=False).logits[:, -1]
+        logits_BV = self.model(ids_B1, cache=self._batch, validate=False).logits[:, -1, :self.vocab_size]
         self._stats.decode_steps += 1
         self._stats.decode_rows += len(self._running)
         for seq, logits_V in zip(self._running, logits_BV):

@@ -447,6 +447,9 @@ async def _stream(state: ServerState, req: Any, choices: list[Choice], events: a
         if req.include_usage():
             yield sse({**header, "choices": [], "usage": _usage(choices)})
         yield "data: [DONE]\n\n"
+    except Exception as e:  # after the headers went out: the error as the stream's last event, not a cut-off body
+        yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
+        yield "data: [DONE]\n\n"
     finally:  # the client left (the task is cancelled) or the stream ended: no sequence keeps its row
         _cancel_unfinished(state, choices)
 

@@ -56,7 +56,8 @@ def start_state(loaded: Loaded, name: str, *, max_batch: int, max_queue: int, ma
     """The server's state over a started engine (whose idle beats keep the expert ranks waiting, when there are)."""
     engine = Engine(loaded.model, max_batch=max_batch, max_queue=max_queue, max_context=max_context,
                     prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes,
-                    on_idle=None if experts is None else experts.idle).start()
+                    on_idle=None if experts is None else experts.idle,
+                    vocab_size=loaded.tokenizer.vocab_size).start()
     return ServerState(engine, loaded.tokenizer, name, api_key=api_key, processor=loaded.processor)
 
 

@@ -330,18 +330,17 @@ class Engine:
             self.prefix_cache.store(seq.prompt_ids[:end], seq.cache)
         if end < len(seq.prompt_ids):
             return end - start
-        with self._lock:
-            self._prefilling.remove(seq)
         if seq.params.prompt_logprobs is not None:
             seq.emit(Event(prompt_logprobs=seq.prompt_logprobs))
-        if seq.params.max_tokens == 0:
-            self._finish(seq, "length")
-            return end - start
-        self._sample(seq, logits_TV[-1])
-        if not seq.finished:
-            cache, seq.cache = seq.cache, None
-            self._batch = cache if self._batch is None else K3Cache.join([self._batch, cache])
-            with self._lock:
+        if seq.params.max_tokens > 0:
+            self._sample(seq, logits_TV[-1])
+        with self._lock:  # from prefilling to running (or gone) at once: `submit` never sees the row free meanwhile
+            self._prefilling.remove(seq)
+            if seq.params.max_tokens == 0:
+                self._finish(seq, "length")
+            elif not seq.finished:
+                cache, seq.cache = seq.cache, None
+                self._batch = cache if self._batch is None else K3Cache.join([self._batch, cache])
                 self._running.append(seq)
         return end - start
 

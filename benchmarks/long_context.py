@@ -3,6 +3,7 @@
     python benchmarks/long_context.py                      # 1k, 8k, 32k, 128k, 512k, 1m (about an hour on 2 cores)
     python benchmarks/long_context.py --lengths 1k,128k    # a subset; results merge into the same file
     python benchmarks/long_context.py --quick              # 1k and 8k
+    python benchmarks/long_context.py --decode-only        # the decode step alone, over filled caches (minutes)
 
 Each length runs in its own process (so its peak RSS is its own): a randomly initialised fp32 k3-long (seed 0)
 prefills random token ids `PREFILL_CHUNK` positions per call (`generate(prefill_chunk=)`: KDA states carried, MLA
@@ -72,6 +73,59 @@ def run_one(tokens: int) -> dict:
             "cpu_wait": str(cpu_wait), "machine": machine()}
 
 
+def decode_step_at(model, tokens: int, steps: int = DECODE_TOKENS) -> float:
+    """ms per greedy one-token step over a cache already `tokens` positions long: its MLA latents and KDA states
+    filled with random values (a step's cost does not depend on them), so no prefill is needed to reach the length."""
+    from k3.model.cache import MLACache
+
+    g = torch.Generator().manual_seed(2)
+    cache = model.make_cache(1, capacity=tokens + steps + 1)
+    with torch.no_grad():
+        for layer in cache.layers:
+            if isinstance(layer, MLACache):
+                layer.latent_BSL[:, :tokens] = torch.randn(1, tokens, layer.latent_BSL.shape[-1], generator=g)
+            else:
+                layer.recurrent_state_BHKV.normal_(0, 0.1, generator=g)
+                layer.conv_state_B3WP.normal_(0, 1, generator=g)
+        cache.key_mask_BS[:, :tokens] = True
+        cache.length = tokens
+        token = torch.tensor([[1]])
+        for _ in range(2):  # warm-up
+            token = model(token, cache=cache, validate=False).logits[:, -1:].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = model(token, cache=cache, validate=False).logits[:, -1:].argmax(-1)
+    return 1e3 * (time.perf_counter() - start) / steps
+
+
+def decode_only(lengths: list[int], rounds: int) -> None:
+    """The decode column alone: one process, one model, a filled cache per length (`decode_step_at`), the lengths
+    alternating over `rounds` rounds (this machine's speed drifts by tens of percent over minutes); the median per
+    length, and the median (range) of each round's ratio to the first length."""
+    from statistics import median
+
+    from k3.config import K3Config
+    from k3.model import K3ForCausalLM
+    from k3.runtime import keep_freed_memory
+
+    keep_freed_memory()
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.from_preset(PRESET)).eval()
+    print(f"Machine: {machine()}", flush=True)
+    cpu_wait, ms = CpuWait(), {n: [] for n in lengths}
+    for r in range(rounds):
+        for tokens in lengths:
+            ms[tokens].append(decode_step_at(model, tokens))
+            print(f"  round {r + 1}: {tokens:>9,} positions {ms[tokens][-1]:.2f} ms/step", file=sys.stderr, flush=True)
+    base = lengths[0]
+    table = []
+    for n in lengths:
+        ratios = [a / b for a, b in zip(ms[n], ms[base])]
+        table.append([f"{n:,}", f"{median(ms[n]):.2f}", f"{median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"])
+    print_table(["cache positions", "decode ms/token (median)", f"vs {base:,} (rounds)"], table, "rrr")
+    print(f"CPU wait {cpu_wait}")
+
+
 def load_results(path: str) -> dict[int, dict]:
     if not os.path.exists(path):
         return {}
@@ -106,6 +160,10 @@ def main() -> None:
     parser.add_argument("--lengths", default="1k,8k,32k,128k,512k,1m",
                         type=lambda s: [parse_length(x) for x in s.split(",")])
     parser.add_argument("--quick", action="store_true", help="1k and 8k only")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only the decode step at each length, over a cache filled with random values (no "
+                             "prefill: minutes instead of an hour); prints a table, writes nothing")
+    parser.add_argument("--rounds", type=int, default=5, help="with --decode-only: rounds over the lengths")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child process of one length
     parser.add_argument("--out", default=os.path.join(DOCS, "long-context.json"))
     args = parser.parse_args()
@@ -113,6 +171,9 @@ def main() -> None:
         print(json.dumps(run_one(args.one)))
         return
     lengths = [1024, 8192] if args.quick else args.lengths
+    if args.decode_only:
+        decode_only(lengths, args.rounds)
+        return
     print(f"Machine: {machine()}", flush=True)
     results = load_results(args.out)
     for tokens in lengths:

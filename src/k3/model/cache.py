@@ -231,13 +231,17 @@ def step_context(cache: K3Cache | None, B: int, T: int, attention_mask: torch.Te
         if (history[:, 1:].int() < history[:, :-1].int()).any():
             raise ValueError("attention_mask must be left padding: a 0 after a 1 in the same row")
     if cache is None:
-        key_valid_BS = valid_BT
+        key_valid_BS = None if valid_BT is None or bool(valid_BT.all()) else valid_BT
     else:
         cache.reserve(start + T)
         cache.key_mask_BS[:, start: start + T] = True if valid_BT is None else valid_BT
-        key_valid_BS = cache.key_mask_BS[:, : start + T]
-    if key_valid_BS is not None and bool(key_valid_BS.all()):
-        key_valid_BS = None
+        # positions below `real_upto` were found all real before and are never rewritten: check only the rest, so a
+        # long cache without padding costs no pass over its mask per step
+        known = getattr(cache, "real_upto", 0)
+        if bool(cache.key_mask_BS[:, known: start + T].all()):
+            cache.real_upto, key_valid_BS = start + T, None
+        else:
+            key_valid_BS = cache.key_mask_BS[:, : start + T]
     if valid_BT is not None and bool(valid_BT.all()):
         valid_BT = None
     return StepContext(start, valid_BT, key_valid_BS)

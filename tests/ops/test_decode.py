@@ -88,7 +88,7 @@ def test_other_calls_are_left_to_the_torch_ops(monkeypatch, case):
     """Autograd, more than `MAX_ROWS` rows, other dtypes, sources of different shapes, an unbuilt kernel: None,
     and the callers' torch ops serve."""
     dtype = {"float64": torch.float64, "float16": torch.float16}.get(case, torch.float32)
-    shape = (compiled.MAX_ROWS + 1, 1, 16) if case == "many rows" else (1, 1, 16)
+    shape = (decode.MAX_ROWS + 1, 1, 16) if case == "many rows" else (1, 1, 16)
     sources, norm, proj = mix_inputs(2, shape)
     sources = [s.to(dtype) for s in sources]
     if case == "shapes differ":

@@ -3,7 +3,7 @@
 After the fused operations of `k3.ops.decode`, most of a one-token step on a CPU is Python between them: the module
 calls, the checks of each operation, the dispatch. Here a decoder layer's step — AttnRes mixes, norms, KDA or MLA,
 dense FFN or MoE — is one call that reads the layer's tensors by their checkpoint names. It takes the calls the
-fused operations take (fp32 or bf16 CPU, at most `compiled.MAX_ROWS` sequences of one new token, no autograd) for
+fused operations take (fp32 or bf16 CPU, at most `decode.MAX_ROWS` sequences of one new token, no autograd) for
 the K3 forms, where nothing watches the modules run; every other call runs the modules, which remain the reference.
 A bf16 model's layer computes in fp32 inside (bf16 weights read as stored) and rounds its output and cache entries
 once to their bf16 dtypes, where its modules round after every operation.

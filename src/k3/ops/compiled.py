@@ -103,9 +103,9 @@ def hooked(*modules: torch.nn.Module) -> bool:
 
 
 def serves_few_rows(name: str, rows: int, *tensors: torch.Tensor,
-                    dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
-    """Whether a few-row kernel takes a call: at most `MAX_ROWS` rows, no autograd, and `serves`."""
-    return not torch.is_grad_enabled() and rows <= MAX_ROWS and serves(name, *tensors, dtypes=dtypes)
+                    dtypes: tuple[torch.dtype, ...] = (torch.float32,), max_rows: int = MAX_ROWS) -> bool:
+    """Whether a few-row kernel takes a call: at most `max_rows` rows, no autograd, and `serves`."""
+    return not torch.is_grad_enabled() and rows <= max_rows and serves(name, *tensors, dtypes=dtypes)
 
 
 def load(name: str):

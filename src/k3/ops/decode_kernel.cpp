@@ -210,6 +210,24 @@ struct Expert {
   float weight;
 };
 
+constexpr int64_t kExpertRows = 16;  // weight rows of one expert a MoE task takes with all of its tokens
+
+// the assignments of each chosen expert (indices into `chosen`), one list per distinct expert
+inline std::vector<std::vector<int64_t>> by_expert(const std::vector<Expert> &chosen) {
+  std::vector<std::vector<int64_t>> groups;
+  std::vector<int64_t> slot;  // expert id → its list in `groups`, or -1
+  for (int64_t a = 0; a < static_cast<int64_t>(chosen.size()); ++a) {
+    const int64_t id = chosen[a].id;
+    if (id >= static_cast<int64_t>(slot.size())) slot.resize(id + 1, -1);
+    if (slot[id] < 0) {
+      slot[id] = groups.size();
+      groups.emplace_back();
+    }
+    groups[slot[id]].push_back(a);
+  }
+  return groups;
+}
+
 template <typename T>
 std::vector<Expert> route(const float *x, const T *gate_w, const float *bias, int64_t N, int64_t D, int64_t E,
                           int64_t k, bool renormalize, float scaling) {
@@ -301,22 +319,28 @@ torch::Tensor moe_routed(const torch::Tensor &x_in, const torch::Tensor &z_in, c
   std::vector<float> h(A * M), u(A * M), y(A * L);
   const auto zl = w1.layout(z);
   const float *zp = zl.data_ptr<float>();
-  at::parallel_for(0, A * M, 16, [&](int64_t begin, int64_t end) {  // gate and up rows of every chosen expert
-    for (int64_t r = begin, n; r < end; r += n) {  // the part of [begin, end) in each chosen expert
-      const Expert &c = chosen[r / M];
-      const int64_t row = c.id * M + r % M;
-      n = std::min(end, (r / M + 1) * M) - r;
-      w1.rows(row, n, zp + c.row * L, h.data() + r);
-      w3.rows(row, n, zp + c.row * L, u.data() + r);
+  const auto groups = by_expert(chosen);
+  // a task: kExpertRows rows of one expert's weight, taken with every token routed to that expert while they are in
+  // cache (a batch's tokens share experts: each expert's weights are read once per call, not once per token)
+  const int64_t up_blocks = (M + kExpertRows - 1) / kExpertRows, down_blocks = (L + kExpertRows - 1) / kExpertRows;
+  at::parallel_for(0, groups.size() * up_blocks, 1, [&](int64_t begin, int64_t end) {  // gate and up rows
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t m0 = (t % up_blocks) * kExpertRows, n = std::min(kExpertRows, M - m0);
+      for (const int64_t a : groups[t / up_blocks]) {
+        const Expert &c = chosen[a];
+        w1.rows(c.id * M + m0, n, zp + c.row * L, h.data() + a * M + m0);
+        w3.rows(c.id * M + m0, n, zp + c.row * L, u.data() + a * M + m0);
+      }
     }
   });
   glu(h.data(), u.data(), A * M, {situ, static_cast<float>(beta1), static_cast<float>(beta2)});
   const auto hl = w2.layout(torch::from_blob(h.data(), {A, M}, torch::kFloat));
   const float *hp = hl.data_ptr<float>();
-  at::parallel_for(0, A * L, 16, [&](int64_t begin, int64_t end) {  // down rows
-    for (int64_t r = begin, n; r < end; r += n) {
-      n = std::min(end, (r / L + 1) * L) - r;
-      w2.rows(chosen[r / L].id * L + r % L, n, hp + (r / L) * M, y.data() + r);
+  at::parallel_for(0, groups.size() * down_blocks, 1, [&](int64_t begin, int64_t end) {  // down rows
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t l0 = (t % down_blocks) * kExpertRows, n = std::min(kExpertRows, L - l0);
+      for (const int64_t a : groups[t / down_blocks])
+        w2.rows(chosen[a].id * L + l0, n, hp + a * M, y.data() + a * L + l0);
     }
   });
   auto out = torch::zeros({N, L}, x.options());

@@ -112,22 +112,37 @@ def test_layer_step_matches_the_modules(tiny_model, monkeypatch, form, B):
     assert_same_caches(cache, torch_cache, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["autograd", "too many rows", "padding", "float64", "K2 residual"])
+def test_left_padded_rows_decode_through_the_layer_step(tiny_model, monkeypatch):
+    """Sequences of different lengths in one batch (left padding, as a batching server's rows): every layer of every
+    one-token step is one compiled call whose MLA reads each row from its first real position, with the logits and
+    caches of the modules, which mask the padding."""
+    model = tiny_model(seed=31)
+    ids = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(31))
+    mask = torch.ones_like(ids)
+    mask[0, :3], mask[2, :6] = 0, 0
+    served = spy_layer_steps(monkeypatch)
+    logits, cache = decode(model, ids, steps=5, mask=mask)
+    assert sorted(served) == sorted(list(range(len(model.model.layers))) * 5)
+    modules_only(monkeypatch)
+    module_logits, module_cache = decode(model, ids, steps=5, mask=mask)
+    torch.testing.assert_close(logits, module_logits, rtol=1e-5, atol=1e-5 * module_logits.abs().max().item())
+    assert_same_caches(cache, module_cache, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["autograd", "too many rows", "float64", "K2 residual"])
 def test_other_calls_are_left_to_the_modules(tiny_model, monkeypatch, case):
     """No compiled layer step where it does not implement the call: with autograd, more than `MAX_ROWS` sequences,
-    padding, float64 weights, K2's plain residual stream."""
+    float64 weights, K2's plain residual stream."""
     model = tiny_model(seed=22, **({"use_block_attn_res": False} if case == "K2 residual" else {}))
     if case == "float64":
         model = model.double()
     B = DECODE_MAX_ROWS + 1 if case == "too many rows" else 2
     ids = torch.randint(0, model.config.vocab_size, (B, 8), generator=torch.Generator().manual_seed(22))
-    mask = torch.ones_like(ids)
-    mask[0, :2] = 0  # left padding in the first row
     served = spy_layer_steps(monkeypatch)
     with torch.enable_grad() if case == "autograd" else torch.no_grad():
         cache = model.make_cache(B)
-        model(ids[:, :7], cache=cache, attention_mask=mask[:, :7] if case == "padding" else None)
-        model(ids[:, 7:], cache=cache, attention_mask=mask if case == "padding" else None)
+        model(ids[:, :7], cache=cache)
+        model(ids[:, 7:], cache=cache)
     assert served == []
 
 

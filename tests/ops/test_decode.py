@@ -133,6 +133,25 @@ def test_mla_step_matches_the_formula_over_long_caches(threads, H, C):
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("C", LATENT_C)
+def test_mla_step_reads_each_row_from_its_first_position(C):
+    """Left-padded rows (a batch of sequences of different lengths): row b attends to positions first[b]..S-1 only,
+    the float64 formula over those positions; first 0 is the whole row."""
+    B, H, N, R, Vh, S = 3, 2, 5, 6, 7, 300
+    first = torch.tensor([0, 37, 299])
+    q, latent = randn(B, 1, H, N + R, seed=24), randn(B, 320, C + R, seed=25)
+    kv_b = randn(H * (N + Vh), C, seed=26, scale=0.3)
+    W = kv_b.double().view(H, N + Vh, C)
+    with torch.no_grad():
+        out = decode.mla_step(q, latent, S, kv_b, N, Vh, None, 0.25, first)
+    for b in range(B):
+        lat = latent[b, first[b]:S].double()
+        q_lat = torch.cat([torch.einsum("hn,hnc->hc", q[b, 0, :, :N].double(), W[:, :N]), q[b, 0, :, N:].double()], -1)
+        p = torch.softmax(q_lat @ lat.T * 0.25, -1)
+        o = torch.einsum("hc,hvc->hv", p @ lat[:, :C], W[:, N:])
+        torch.testing.assert_close(out[b].double(), o.reshape(-1), rtol=1e-5, atol=1e-6)
+
+
 # ---- bf16: each operation on bf16 tensors is the same operation on their fp32 values, its result rounded once ----
 
 def bf16(*tensors):

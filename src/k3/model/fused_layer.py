@@ -108,21 +108,29 @@ def _caches(cache: KDACache | MLACache) -> list[torch.Tensor]:
 
 def _applies(config: K3Config, cur_BTD: torch.Tensor, bank: list[torch.Tensor], caches: list[torch.Tensor],
              ctx: StepContext | None, held: LayerTensors, layers: list[nn.Module]) -> bool:
-    """Whether the compiled step may run these layers: one new token per sequence, a cache, no padding or packed
-    documents, no training observers, the layers' forms (`takes_layer`), no forward hook on any of their modules, KDA
+    """Whether the compiled step may run these layers: one new token per sequence, a cache, no new padding (left
+    padding in the cache is read past: `first_positions`) or packed documents, no training observers, the layers' forms (`takes_layer`), no forward hook on any of their modules, KDA
     on the CPU path, contiguous caches, and activations and caches the decode kernel serves (the kernel checks the
     weights itself)."""
     B, T = cur_BTD.shape[:2]
-    return (T == 1 and ctx is not None and ctx.valid_BT is None and ctx.key_valid_BS is None
+    return (T == 1 and ctx is not None and ctx.valid_BT is None
             and ctx.document_ids_BT is None and not ctx.observers and held.takes(config, layers)
             and not use_fla(config.kda_impl, cur_BTD.device) and not held.hooked()
             and all(c.is_contiguous() for c in caches) and decode.serves(B, cur_BTD, *bank, *caches))
 
 
+def first_positions(ctx: StepContext) -> torch.Tensor | None:
+    """Each sequence's first real cache position where some are left-padded (a batch of sequences of different
+    lengths, `StepContext.key_valid_BS`), else None: the MLA step reads each row from there on."""
+    return None if ctx.key_valid_BS is None else (~ctx.key_valid_BS).sum(1)
+
+
 def _run(layer: nn.Module, tensors: dict, opts: dict, cur_BTD: torch.Tensor, bank: list[torch.Tensor],
-         caches: list[torch.Tensor], start: int) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+         caches: list[torch.Tensor], start: int,
+         first_B: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
     """One layer's compiled step, or None where the kernel does not take the layer's tensors (nothing done then)."""
-    out_BTD = compiled.load("decode").layer_step(bank, cur_BTD, layer.starts_block, tensors, opts, caches, start)
+    out_BTD = compiled.load("decode").layer_step(bank, cur_BTD, layer.starts_block, tensors, opts, caches, start,
+                                                 first_B)
     if out_BTD is None:
         return None
     return out_BTD, bank + [cur_BTD] if layer.starts_block else bank  # a block's first layer banks its input
@@ -138,7 +146,7 @@ def layer_step(layer: nn.Module, cur_BTD: torch.Tensor, bank: list[torch.Tensor]
     config = layer.self_attn.config
     if not _applies(config, cur_BTD, bank, caches, ctx, held, [layer]):
         return None
-    return _run(layer, held.tensors[0], options(config), cur_BTD, bank, caches, ctx.start)
+    return _run(layer, held.tensors[0], options(config), cur_BTD, bank, caches, ctx.start, first_positions(ctx))
 
 
 def stack_step(layers: nn.ModuleList, cur_BTD: torch.Tensor, cache: K3Cache | None,
@@ -154,9 +162,9 @@ def stack_step(layers: nn.ModuleList, cur_BTD: torch.Tensor, cache: K3Cache | No
     config = stack[0].self_attn.config
     if not _applies(config, cur_BTD, bank, [c for layer_caches in caches for c in layer_caches], ctx, held, stack):
         return 0, cur_BTD, bank
-    opts = options(config)
+    opts, first_B = options(config), first_positions(ctx)
     for i, (layer, tensors, layer_caches) in enumerate(zip(stack, held.tensors, caches)):
-        stepped = _run(layer, tensors, opts, cur_BTD, bank, layer_caches, ctx.start)
+        stepped = _run(layer, tensors, opts, cur_BTD, bank, layer_caches, ctx.start, first_B)
         if stepped is None:
             return i, cur_BTD, bank
         cur_BTD, bank = stepped

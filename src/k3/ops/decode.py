@@ -94,10 +94,11 @@ def _expert_pair(weight: ExpertWeight) -> tuple[torch.Tensor, torch.Tensor | Non
 
 
 def mla_step(q_BHQ: torch.Tensor, latent_BSL: torch.Tensor, length: int, kv_b_weight: torch.Tensor,
-             nope_dim: int, v_dim: int, gate_BP: torch.Tensor | None, scale: float) -> torch.Tensor:
+             nope_dim: int, v_dim: int, gate_BP: torch.Tensor | None, scale: float,
+             first_B: torch.Tensor | None = None) -> torch.Tensor:
     """One absorbed-MLA step (k3.model.mla, §4.4) of q = [q_nope ‖ q_pe] over the first `length` positions of the
-    latent cache [B, capacity, C+R]: softmax([W_UKᵀ q_nope ‖ q_pe]·latent·scale), o = W_UV Σ p ĉ, times σ(gate)
-    when given; [B, H·Vh]. The caller checks `serves` first."""
+    latent cache [B, capacity, C+R] (row b's from `first_B[b]` on, where given: left padding): softmax([W_UKᵀ q_nope ‖
+    q_pe]·latent·scale), o = W_UV Σ p ĉ, times σ(gate) when given; [B, H·Vh]. The caller checks `serves` first."""
     return compiled.load("decode").mla_step(q_BHQ.contiguous(), latent_BSL, length, kv_b_weight.contiguous(),
                                             nope_dim, v_dim,
-                                            None if gate_BP is None else gate_BP.contiguous(), scale)
+                                            None if gate_BP is None else gate_BP.contiguous(), scale, first_B)

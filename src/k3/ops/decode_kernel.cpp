@@ -509,19 +509,30 @@ struct RunningSoftmax {
 };
 
 // One absorbed-MLA step over a cache (k3.model.mla, §4.4), for each sequence b and head h with q = [q_nope ‖ q_pe]
-// [B, H, N+R], the latent cache [B, capacity, C+R] of which the first S positions are read, and kv_b_proj's weight
+// [B, H, N+R], the latent cache [B, capacity, C+R] of which the first S positions are read (of row b from
+// `first[b]` on, where given: the left padding of a batch of sequences of different lengths), and kv_b_proj's weight
 // [H·(N+Vh), C] (W_UK: the first N rows of each head, W_UV: the next Vh):
 //   p = softmax_s([W_UKᵀ q_nope ‖ q_pe] · latent_s · scale),  o = W_UV Σ_s p_s ĉ_s,  times σ(gate) when given.
 // One pass over the latent: the positions are split into tasks of kSplit rows, each keeps a running softmax of every
 // head over its rows (scores and weighted sum of a block of kBlock rows while they are in L1), and the tasks' sums
 // are merged at the end (the softmax of the whole row, rescaled to its maximum). Returns [B, H·Vh] in q's dtype.
 torch::Tensor mla_step(const torch::Tensor &q_in, const torch::Tensor &latent, int64_t S, const torch::Tensor &kv_b,
-                       int64_t N, int64_t Vh, const c10::optional<torch::Tensor> &gate_in, double scale) {
+                       int64_t N, int64_t Vh, const c10::optional<torch::Tensor> &gate_in, double scale,
+                       const c10::optional<torch::Tensor> &first_in) {
   check(latent, "the latent cache");
   check(kv_b, "kv_b_proj.weight");
   const auto q = floats(q_in);
   const int64_t B = latent.size(0), cap = latent.size(1), L = latent.size(2), H = kv_b.size(0) / (N + Vh),
                 C = kv_b.size(1), R = L - C;
+  // each row's first real position (left padding before it: a batch of sequences of different lengths), or 0
+  torch::Tensor first_t;
+  if (first_in) {
+    first_t = first_in->to(torch::kLong).contiguous();
+    TORCH_CHECK(first_t.numel() == B, "decode kernel: one first position per sequence");
+  }
+  const int64_t *firsts = first_in ? first_t.data_ptr<int64_t>() : nullptr;
+  for (int64_t b = 0; firsts && b < B; ++b)
+    TORCH_CHECK(firsts[b] >= 0 && firsts[b] < S, "decode kernel: a sequence's first position is outside the cache");
   TORCH_CHECK(S >= 1 && S <= cap && q.numel() == B * H * (N + R) && kv_b.size(0) == H * (N + Vh),
               "decode kernel: MLA shapes disagree");
   torch::Tensor gate;
@@ -555,7 +566,8 @@ torch::Tensor mla_step(const torch::Tensor &q_in, const torch::Tensor &latent, i
   typed(latent, [&](const auto *lp) {
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t b = t / splits, first = (t % splits) * kSplit, last = std::min(S, first + kSplit);
+        const int64_t b = t / splits, last = std::min(S, (t % splits + 1) * kSplit),
+                      first = std::max((t % splits) * kSplit, firsts ? firsts[b] : 0);  // none: an empty task
         RunningSoftmax run{Hp, C, max.data() + t * Hp, total.data() + t * Hp, o_task.data() + t * Hp * C};
         for (int64_t s = first; s < last; s += kBlock) {
           const float *ql = q_lat.data() + b * Hp * L;
@@ -678,7 +690,7 @@ torch::Tensor kda_mixer(const torch::Tensor &x, const Weights &w, const Options 
 // Gated MLA, absorbed (k3.model.mla.GatedMLA.fused_step, NoPE form): the latent [RMSNorm(c) ‖ k_pe] of this token
 // written at `start`, the query from c_q = RMSNorm(x W_qaᵀ), the step over the first start + 1 positions, o_proj
 torch::Tensor mla_mixer(const torch::Tensor &x, const Weights &w, const Options &o, const torch::Tensor &latent,
-                        int64_t start) {
+                        int64_t start, const c10::optional<torch::Tensor> &first) {
   const bool gated = w.has("self_attn.g_proj.weight");
   std::vector<torch::Tensor> weights{w("self_attn.q_a_proj.weight"), w("self_attn.kv_a_proj_with_mqa.weight")};
   if (gated) weights.push_back(w("self_attn.g_proj.weight"));
@@ -699,7 +711,7 @@ torch::Tensor mla_mixer(const torch::Tensor &x, const Weights &w, const Options 
   const auto q = k3::linear(rms_norm(p[0], w("self_attn.q_a_layernorm.weight"), o.lora_eps, true),
                             w("self_attn.q_b_proj.weight"));
   const auto out = mla_step(q, latent, start + 1, w("self_attn.kv_b_proj.weight"), o.nope_dim, o.v_dim,
-                            gated ? c10::optional<torch::Tensor>(p[2]) : c10::nullopt, o.scale);
+                            gated ? c10::optional<torch::Tensor>(p[2]) : c10::nullopt, o.scale, first);
   return k3::linear(out, w("self_attn.o_proj.weight"));
 }
 
@@ -736,13 +748,14 @@ torch::Tensor moe(const torch::Tensor &x, const Weights &w, const Options &o) {
 // bank + [cur], input norm, KDA or MLA, the mix of the (new) bank + [prefix], post norm, dense FFN or MoE. `cur`
 // [B, 1, D] is the block's partial sum (the embedding before layer 0); a layer that starts a block banks it first
 // (the caller appends it to its bank). `cache`: [conv_state, state] (KDA) or [latent] (MLA), updated in place at
-// position `start`. Returns the new partial sum, or None (nothing done) where the kernel does not take the layer's
-// tensors (`Weights::served`). The activations are fp32 inside whatever the model's dtype: cur and the bank are
+// position `start`; `first` [B]: each sequence's first real cache position (left padding), or none. Returns the new
+// partial sum, or None (nothing done) where the kernel does not take the layer's tensors (`Weights::served`). The activations are fp32 inside whatever the model's dtype: cur and the bank are
 // widened on entry and the new partial sum is rounded once to cur's dtype (a bf16 model's modules round after every
 // operation; the layer's inputs, outputs and caches keep their dtypes).
 c10::optional<torch::Tensor> layer_step(std::vector<torch::Tensor> bank, const torch::Tensor &cur_in,
                                         bool starts_block, py::dict tensors, py::dict options,
-                                        std::vector<torch::Tensor> cache, int64_t start) {
+                                        std::vector<torch::Tensor> cache, int64_t start,
+                                        const c10::optional<torch::Tensor> &first) {
   const Weights w(std::move(tensors));
   if (!w.served()) return c10::nullopt;
   const Options o(options);
@@ -756,7 +769,8 @@ c10::optional<torch::Tensor> layer_step(std::vector<torch::Tensor> bank, const t
   const auto x = rms_norm(h, w("input_layernorm.weight"), o.eps, true);
   const bool kda = w.has("self_attn.A_log");
   TORCH_CHECK(cache.size() == (kda ? 2u : 1u), "decode kernel: a KDA layer takes two caches, an MLA layer one");
-  const auto a = (kda ? kda_mixer(x, w, o, cache[0], cache[1]) : mla_mixer(x, w, o, cache[0], start)).view_as(cur);
+  const auto a =
+      (kda ? kda_mixer(x, w, o, cache[0], cache[1]) : mla_mixer(x, w, o, cache[0], start, first)).view_as(cur);
   const auto prefix = starts_block ? a : cur + a;
   bank.push_back(prefix);
   const auto x2 = rms_norm(attn_res_mix(bank, w("mlp_res_norm.weight"), w("mlp_res_proj.weight"), o.eps),

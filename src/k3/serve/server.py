@@ -19,6 +19,7 @@ from k3.config import K3Config
 from k3.inference.engine import Engine
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 from k3.parallel.expert_serving import ExpertService
+from k3.runtime import huge_page_weights
 from k3.serve.app import ServerState, create_app
 from k3.tokenizer import K3Tokenizer
 
@@ -40,6 +41,7 @@ def load(checkpoint: str, experts: str | None = None) -> Loaded:
     multimodal = K3Config.from_json(checkpoint).vision_config is not None
     model_class = K3ForConditionalGeneration if multimodal else K3ForCausalLM
     model = model_class.from_pretrained(checkpoint, experts=experts).eval()
+    huge_page_weights(model)  # 2 MiB pages for the weights every decode step reads (k3.runtime), as k3 generate
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
                          f"{model.config.vocab_size}")

@@ -281,17 +281,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if distributed is not None and distributed.ep != distributed.world_size:
             raise ValueError(f"k3 serve under torchrun serves one endpoint from all {distributed.world_size} "
                              f"processes: give --ep {distributed.world_size}")
-        leader = distributed is None or distributed.is_main
-        sock = listen(args.host, args.port) if leader else None  # a taken port fails before the model loads
-        loaded = load(args.checkpoint, experts="dense" if distributed is not None else args.experts)
-        experts = None if distributed is None else ExpertService(loaded.model, distributed.ep_mesh["ep"])
-        if not leader:
-            return follow(experts)
+        experts_form = "dense" if distributed is not None else args.experts
+        ep_mesh = None if distributed is None else distributed.ep_mesh["ep"]
+        if distributed is not None and not distributed.is_main:
+            return follow(ExpertService(load(args.checkpoint, experts_form).model, ep_mesh))
+        sock = listen(args.host, args.port)  # a taken port fails before the model loads
         api_key = args.api_key if args.api_key is not None else os.environ.get("K3_API_KEY") or None
-        state = start_state(loaded, args.model_name or os.path.basename(os.path.normpath(args.checkpoint)),
-                            max_batch=args.max_batch, max_queue=args.max_queue, max_context=args.max_context,
-                            prefill_chunk=args.prefill_chunk, prefix_cache_bytes=args.prefix_cache_mib << 20,
-                            api_key=api_key, experts=experts)
+        state, experts = start_state(
+            args.checkpoint, args.model_name or os.path.basename(os.path.normpath(args.checkpoint)),
+            experts=experts_form, ep_mesh=ep_mesh, api_key=api_key, max_batch=args.max_batch,
+            max_queue=args.max_queue, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
+            prefix_cache_bytes=args.prefix_cache_mib << 20)
         return run(state, sock, args.grace, experts)
     finally:
         if dist.is_initialized():

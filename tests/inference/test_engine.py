@@ -182,3 +182,26 @@ def test_a_padded_vocabulary_samples_only_decodable_ids(model):
         engine.shutdown(grace_s=0)
     with pytest.raises(ValueError, match="vocab_size"):
         Engine(model, vocab_size=model.config.vocab_size + 1)
+
+
+def test_start_built_runs_the_engine_in_the_thread_that_built_it(model):
+    """`Engine.start_built`: the model is loaded and run by one thread (the one the engine runs in); a failure of
+    the build reaches the caller."""
+    builders = []
+
+    def build():
+        builders.append(threading.current_thread())
+        return Engine(model, max_batch=2)
+    engine = Engine.start_built(build)
+    try:
+        assert builders == [engine._thread] and engine.running() and builders[0] is not threading.current_thread()
+        tokens, _ = _run(engine, _prompts(model, [5]), SamplingParams(max_tokens=3, temperature=0.0))
+        assert len(tokens[0]) == 3
+    finally:
+        engine.shutdown(grace_s=0)
+    assert not engine.running()
+
+    def broken():
+        raise ValueError("checkpoint directory 'x' does not exist")
+    with pytest.raises(ValueError, match="does not exist"):
+        Engine.start_built(broken)

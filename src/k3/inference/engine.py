@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import queue
 import secrets
 import threading
 import time
@@ -184,6 +185,29 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="k3-engine", daemon=True)
         self._thread.start()
         return self
+
+    @staticmethod
+    def start_built(build: Callable[[], Engine]) -> Engine:
+        """Call `build` (load a model, make its Engine) in a new thread that then runs the engine it made; returns
+        the engine once built, or raises what `build` raised. On a CPU the thread that loads a model should be the
+        one that runs it: a thread whose first parallel region comes after another thread's (a model loaded in the
+        main thread) ran k3-small's decode step at 1.4-1.5x the time on 2 cores."""
+        built: queue.Queue = queue.Queue(maxsize=1)
+
+        def body() -> None:
+            try:
+                engine = build()
+            except BaseException as error:  # handed to the caller
+                built.put(error)
+                return
+            engine._thread = threading.current_thread()
+            built.put(engine)
+            engine._run()
+        threading.Thread(target=body, name="k3-engine", daemon=True).start()
+        result = built.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, emit: Callable[[Event], None],
                media: dict | None = None) -> int:

@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from k3.config import K3Config
 from k3.inference.engine import Engine
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
@@ -53,14 +55,20 @@ def load(checkpoint: str, experts: str | None = None) -> Loaded:
     return Loaded(model, tokenizer, processor)
 
 
-def start_state(loaded: Loaded, name: str, *, max_batch: int, max_queue: int, max_context: int, prefill_chunk: int,
-                prefix_cache_bytes: int, api_key: str | None, experts: ExpertService | None = None) -> ServerState:
-    """The server's state over a started engine (whose idle beats keep the expert ranks waiting, when there are)."""
-    engine = Engine(loaded.model, max_batch=max_batch, max_queue=max_queue, max_context=max_context,
-                    prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes,
-                    on_idle=None if experts is None else experts.idle,
-                    vocab_size=loaded.tokenizer.vocab_size).start()
-    return ServerState(engine, loaded.tokenizer, name, api_key=api_key, processor=loaded.processor)
+def start_state(checkpoint: str, name: str, *, experts: str | None = None, ep_mesh: DeviceMesh | None = None,
+                api_key: str | None = None, **engine_args) -> tuple[ServerState, ExpertService | None]:
+    """Load `checkpoint` and run its engine, both in the engine's thread (`Engine.start_built`): the server's state,
+    and this rank's part in expert parallelism over `ep_mesh` (whose idle beats keep the other ranks waiting)."""
+    made: dict[str, Any] = {}
+
+    def build() -> Engine:
+        loaded = made["loaded"] = load(checkpoint, experts)
+        service = made["service"] = None if ep_mesh is None else ExpertService(loaded.model, ep_mesh)
+        return Engine(loaded.model, on_idle=None if service is None else service.idle,
+                      vocab_size=loaded.tokenizer.vocab_size, **engine_args)
+    engine = Engine.start_built(build)
+    loaded = made["loaded"]
+    return ServerState(engine, loaded.tokenizer, name, api_key=api_key, processor=loaded.processor), made["service"]
 
 
 def listen(host: str, port: int) -> socket.socket:

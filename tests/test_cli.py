@@ -575,7 +575,10 @@ def test_init_writes_a_random_packed_checkpoint_that_generates(tmp_path, capsys)
     ids = torch.randint(0, 1024, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits, expected = model(ids).logits.float(), reference(ids).logits.float()
-    assert ((logits - expected).abs().max() / expected.abs().max()).item() <= 1e-3
+    # within one bf16 ulp of the largest logit: the 12-token call's compiled MoE step rounds once to bf16, the
+    # loop reference after every operation
+    ulp = 2.0 ** (torch.floor(torch.log2(expected.abs().max())).item() - 7)
+    assert (logits - expected).abs().max().item() <= ulp
     assert main(["generate", str(out), "--prompt", "Hi", "--max-new-tokens", "4", "--temperature", "0"]) == 0
     assert main(["init", str(out), "--preset", "k3-tiny"]) == 2
     assert "exists and is not an empty directory" in one_error_line(capsys.readouterr().err, "init")

@@ -49,8 +49,8 @@ pyyaml 6.0.3, huggingface-hub 0.36.0, tokenizers 0.22.1 beside the venv's torch/
 
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36   # the sdist; unpack it in /tmp/llcpp
     cmake -S /tmp/llcpp/llama_cpp_python-0.3.36/vendor/llama.cpp -B /tmp/llcpp/build -G Ninja \\
-        -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
-    cmake --build /tmp/llcpp/build -j2 --target llama-bench llama-debug llama-quantize
+        -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+    cmake --build /tmp/llcpp/build -j2 --target llama-bench llama-debug llama-quantize llama-server
     pip install --target /tmp/llcpp/pydeps --no-deps transformers==4.57.6 pyyaml==6.0.3 huggingface-hub==0.36.0 \\
         tokenizers==0.22.1 filelock==3.20.0 packaging==25.0 fsspec==2025.10.0 typing-extensions==4.15.0
     PYTHONPATH=src .venv/bin/python benchmarks/peer_llama_cpp.py [--llama-cpp BUILD] [--model DIR]
@@ -299,13 +299,18 @@ class Worker:
 
 
 # ------------------------------------------------------------------------------------------------ main
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options naming llama.cpp's build, the converter's packages and the model (also benchmarks/serve.py's)."""
     parser.add_argument("--llama-cpp", default=DEFAULT_BUILD, help=f"llama.cpp build dir (default {DEFAULT_BUILD}, "
                         "or $K3_LLAMA_CPP)")
     parser.add_argument("--pydeps", default=DEFAULT_PYDEPS, help="the converter's extra Python packages "
                         f"(default {DEFAULT_PYDEPS}, or $K3_LLAMA_CPP_PYDEPS)")
     parser.add_argument("--model", type=Path, help="a k3 model directory (default: random-init k3-small)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_peer_arguments(parser)
     parser.add_argument("--formats", nargs="+", choices=tuple(FORMATS), help="weight formats (default: all)")
     parser.add_argument("--contexts", type=int, nargs="+", help="context depths (default 512 8192; --quick 512)")
     parser.add_argument("--threads", type=int, default=2)

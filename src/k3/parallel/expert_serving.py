@@ -62,6 +62,7 @@ class ExpertService:
             hook.remove()
         self._hooks = []
         self._send(STOP)
+        dist.barrier(group=self.group)  # every rank has the STOP before any tears its process group down
 
     def follow(self) -> int:
         """Follower: serve the leader's MoE layers until it stops; returns the number of layer calls served."""
@@ -74,6 +75,7 @@ class ExpertService:
                 dist.broadcast(signal, src=self.leader, group=self.group)
                 index = int(signal.item())
                 if index == STOP:
+                    dist.barrier(group=self.group)
                     return served
                 if index == IDLE:
                     continue

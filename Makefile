@@ -71,6 +71,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/vision.py --quick
 	$(PY) benchmarks/scale_out.py --quick
 	-$(PY) benchmarks/peer_llama_cpp.py --quick  # needs a llama.cpp build (see the script); skipped without one
+	-$(PY) benchmarks/serve.py --quick  # k3 serve against llama-server (the same build); skipped without one
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -299,6 +299,16 @@ class Worker:
 
 
 # ------------------------------------------------------------------------------------------------ main
+def model_directory(model: Path | None, tmp: str, build=random_k3_small) -> Path:
+    """`model` (--model), or a random-init k3-small that `build` writes into `tmp`."""
+    if model is not None:
+        return model
+    path = Path(tmp) / "k3-small-random"
+    print("Building a random-init k3-small ...", flush=True)
+    build(path)
+    return path
+
+
 def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     """The options naming llama.cpp's build, the converter's packages and the model (also benchmarks/serve.py's)."""
     parser.add_argument("--llama-cpp", default=DEFAULT_BUILD, help=f"llama.cpp build dir (default {DEFAULT_BUILD}, "
@@ -331,11 +341,7 @@ def main():
                if line.startswith("CMAKE_HOME_DIRECTORY:"))
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model
-        if model_dir is None:
-            model_dir = Path(tmp) / "k3-small-random"
-            print("Building a random-init k3-small ...", flush=True)
-            random_k3_small(model_dir)
+        model_dir = model_directory(args.model, tmp)
         ggufs = {f: FORMATS[f].gguf_path(model_dir, src, args.pydeps, bin_dir) for f in formats}
         workers = {}
         for f in formats:

@@ -71,7 +71,7 @@ import numpy as np
 from common import CpuWait, machine, print_table
 from k3.config import K3Config
 from k3.tokenizer import K3Tokenizer, byte_pair_tokenizer
-from peer_llama_cpp import REPO, add_peer_arguments, gguf_for, random_k3_small
+from peer_llama_cpp import REPO, add_peer_arguments, gguf_for, model_directory, random_k3_small
 
 SLOTS = 16  # k3's --max-batch, llama-server's -np
 PROMPT_TOKENS = 64  # the throughput workloads' prompts
@@ -333,11 +333,7 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # so that `finally` stops the servers
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model
-        if model_dir is None:
-            model_dir = Path(tmp) / "k3-small-random"
-            print("Building a random-init k3-small ...", flush=True)
-            default_model(model_dir)
+        model_dir = model_directory(args.model, tmp, build=default_model)
         tokenizer = K3Tokenizer.load(model_dir)
         n_ids = tokenizer.vocab_size - len(tokenizer.special_tokens)  # prompts hold no special ids
 

@@ -182,9 +182,7 @@ class Engine:
 
     # ----------------------------------------------------------------------------------- other threads
     def start(self) -> Engine:
-        self._thread = threading.Thread(target=self._run, name="k3-engine", daemon=True)
-        self._thread.start()
-        return self
+        return Engine.start_built(lambda: self)
 
     @staticmethod
     def start_built(build: Callable[[], Engine]) -> Engine:

@@ -43,6 +43,10 @@ class K3Cache:
     needs more. Make one with `K3ForCausalLM.make_cache(batch_size)`.
     """
 
+    # positions [0, real_upto) were found all real (no padding) by an earlier step; they are never rewritten, so a
+    # step checks only the key mask beyond them (every cache, however built, starts from 0)
+    real_upto = 0
+
     def __init__(self, config: K3Config, batch_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  capacity: int = 256):
         if batch_size <= 0:
@@ -237,8 +241,7 @@ def step_context(cache: K3Cache | None, B: int, T: int, attention_mask: torch.Te
         cache.key_mask_BS[:, start: start + T] = True if valid_BT is None else valid_BT
         # positions below `real_upto` were found all real before and are never rewritten: check only the rest, so a
         # long cache without padding costs no pass over its mask per step
-        known = getattr(cache, "real_upto", 0)
-        if bool(cache.key_mask_BS[:, known: start + T].all()):
+        if bool(cache.key_mask_BS[:, cache.real_upto: start + T].all()):
             cache.real_upto, key_valid_BS = start + T, None
         else:
             key_valid_BS = cache.key_mask_BS[:, : start + T]

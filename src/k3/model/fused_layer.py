@@ -109,7 +109,8 @@ def _caches(cache: KDACache | MLACache) -> list[torch.Tensor]:
 def _applies(config: K3Config, cur_BTD: torch.Tensor, bank: list[torch.Tensor], caches: list[torch.Tensor],
              ctx: StepContext | None, held: LayerTensors, layers: list[nn.Module]) -> bool:
     """Whether the compiled step may run these layers: one new token per sequence, a cache, no new padding (left
-    padding in the cache is read past: `first_positions`) or packed documents, no training observers, the layers' forms (`takes_layer`), no forward hook on any of their modules, KDA
+    padding in the cache is read past: `first_positions`) or packed documents, no training observers, the layers'
+    forms (`takes_layer`), no forward hook on any of their modules, KDA
     on the CPU path, contiguous caches, and activations and caches the decode kernel serves (the kernel checks the
     weights itself)."""
     B, T = cur_BTD.shape[:2]

@@ -361,8 +361,8 @@ torch::Tensor moe_routed_op(const torch::Tensor &x, const torch::Tensor &z, cons
 }
 
 constexpr int64_t kHeads = 8;   // most heads whose sums one pass over the latent rows accumulates together
-constexpr int64_t kBlock = 64;  // latent rows per block: their scores, then their weighted sum, while in cache (a
-                                // block's fixed costs — maximum, sum, rescale — over 64 rows, not 16: 1.3x k3-long)
+constexpr int64_t kBlock = 32;  // latent rows per block: their scores, then their weighted sum, while in L1; the
+                                // next block is prefetched meanwhile (k3-long at 1M: 32 rows 1.3x faster than 64)
 constexpr int64_t kSplit = 256;  // latent rows per task; the tasks' partial softmaxes are merged at the end
 
 // out[h] = q[h] · row for KH query rows q [KH, n]: the row (fp32 or bf16, the cache's) is loaded once per vector for
@@ -427,22 +427,80 @@ inline void dot_rows8(const float *q, const T *rows, int64_t L, int64_t n, float
 }
 #endif
 
-// The scores q[h] · row r of KH heads and n ≤ kBlock latent rows, into p[h·kBlock + r] (r < n)
+// Asks for the cache lines of `bytes` bytes at p (a hint: prefetching never faults, past the cache's end included)
+inline void prefetch(const void *p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char *>(p) + b);
+}
+
+// The scores q[h] · row r of KH heads and n ≤ kBlock latent rows, into p[h·kBlock + r] (r < n); with `ahead`, the
+// next block's rows are prefetched a group at a time while these are scored (the hardware's prefetcher alone leaves
+// the core waiting on memory after each block's arithmetic: k3-long at 1M, 1.1x)
 template <int64_t KH, typename T>
-inline void block_scores(const float *q_lat, const T *latent, int64_t L, int64_t n, float *p) {
+inline void block_scores(const float *q_lat, const T *latent, int64_t L, int64_t n, float *p, bool ahead) {
+  const int64_t row_bytes = L * static_cast<int64_t>(sizeof(T));
 #if defined(__AVX2__)
   static_assert(kBlock % 8 == 0, "a block is whole groups of 8 rows");
   if (L % 8 == 0 && L <= kRows8MaxWidth) {
-    for (int64_t r0 = 0; r0 < n; r0 += 8) dot_rows8<KH>(q_lat, latent + r0 * L, L, std::min<int64_t>(8, n - r0),
-                                                         p + r0, kBlock);
+    for (int64_t r0 = 0; r0 < n; r0 += 8) {
+      if (ahead) prefetch(latent + (kBlock + r0) * L, 8 * row_bytes);
+      dot_rows8<KH>(q_lat, latent + r0 * L, L, std::min<int64_t>(8, n - r0), p + r0, kBlock);
+    }
     return;
   }
 #endif
   for (int64_t r = 0; r < n; ++r) {
+    if (ahead) prefetch(latent + (kBlock + r) * L, row_bytes);
     float sc[KH];
     dot_heads<KH>(q_lat, latent + r * L, L, sc);
     for (int64_t h = 0; h < KH; ++h) p[h * kBlock + r] = sc[h];
   }
+}
+
+// o[h, c0 .. c0 + 8·CV) += Σ_r p[h·kBlock + r] ĉ_r over the same columns, for KH heads (o [KH, C]): each row's CV
+// vectors loaded once for all heads, and where fewer than 8 sums are live, even and odd rows into separate sums (KH·CV
+// chains of dependent FMAs alone would wait on the FMA latency)
+template <int64_t KH, int64_t CV, typename T>
+inline void add_weighted(const float *p, const T *latent, int64_t L, int64_t n, float *o, int64_t C, int64_t c0) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t V = Vec::size(), CH = KH * CV >= 8 ? 1 : 2;
+  Vec acc[CH][KH][CV];
+  for (int64_t h = 0; h < KH; ++h)
+    for (int64_t v = 0; v < CV; ++v) {
+      acc[0][h][v] = Vec::loadu(o + h * C + c0 + v * V);
+      for (int64_t c = 1; c < CH; ++c) acc[c][h][v] = Vec(0.f);
+    }
+  int64_t r = 0;
+  for (; r + CH <= n; r += CH)  // unrolled whole, or the sums leave the registers (GCC: 1.3x k3-tiny's step)
+    _Pragma("GCC unroll 16") for (int64_t c = 0; c < CH; ++c) {
+      Vec x[CV];
+      _Pragma("GCC unroll 16") for (int64_t v = 0; v < CV; ++v) x[v] = k3::load(latent + (r + c) * L + c0 + v * V);
+      _Pragma("GCC unroll 16") for (int64_t h = 0; h < KH; ++h)
+        _Pragma("GCC unroll 16") for (int64_t v = 0; v < CV; ++v) acc[c][h][v] = at::vec::fmadd(Vec(p[h * kBlock + r + c]), x[v], acc[c][h][v]);
+    }
+  for (; r < n; ++r)  // the odd last row of a block that ends the cache
+    for (int64_t v = 0; v < CV; ++v) {
+      const Vec x = k3::load(latent + r * L + c0 + v * V);
+      for (int64_t h = 0; h < KH; ++h) acc[0][h][v] = at::vec::fmadd(Vec(p[h * kBlock + r]), x, acc[0][h][v]);
+    }
+  for (int64_t h = 0; h < KH; ++h)
+    for (int64_t v = 0; v < CV; ++v) {
+      for (int64_t c = 1; c < CH; ++c) acc[0][h][v] = acc[0][h][v] + acc[c][h][v];
+      acc[0][h][v].store(o + h * C + c0 + v * V);
+    }
+}
+
+// The same for the last m < 8 columns from c0
+template <int64_t KH, typename T>
+inline void add_weighted_tail(const float *p, const T *latent, int64_t L, int64_t n, float *o, int64_t C, int64_t c0,
+                              int64_t m) {
+  using Vec = at::vec::Vectorized<float>;
+  Vec acc[KH];
+  for (int64_t h = 0; h < KH; ++h) acc[h] = Vec::loadu(o + h * C + c0, m);
+  for (int64_t r = 0; r < n; ++r) {
+    const Vec x = k3::load(latent + r * L + c0, m);
+    for (int64_t h = 0; h < KH; ++h) acc[h] = at::vec::fmadd(Vec(p[h * kBlock + r]), x, acc[h]);
+  }
+  for (int64_t h = 0; h < KH; ++h) acc[h].store(o + h * C + c0, m);
 }
 
 // The running softmax of every head over some latent rows (online softmax): the largest score m, Σ_s e^(score_s − m)
@@ -453,14 +511,15 @@ struct RunningSoftmax {
   float *max, *total, *o;  // [heads], [heads], [heads, C]
 
   // take the next n ≤ kBlock latent rows of one sequence (from `latent`, row stride L) for the queries q_lat
-  // [heads, L] (scaled: their products with the rows are the scores)
+  // [heads, L] (scaled: their products with the rows are the scores); `flatten` inlines every helper (GCC left some
+  // calls in place, their sums in memory: 1.2x k3-long's step)
   template <int64_t KH, typename T>
-  void take(const float *q_lat, const T *latent, int64_t L, int64_t n) {
+  __attribute__((flatten)) void take(const float *q_lat, const T *latent, int64_t L, int64_t n) {
     using Vec = at::vec::Vectorized<float>;
     static_assert(kBlock % Vec::size() == 0, "a block of scores is whole vectors");
     float p[KH * kBlock];  // scores, then their weights e^(score − m), of a block of KH heads
     for (int64_t h0 = 0; h0 < heads; h0 += KH) {
-      block_scores<KH>(q_lat + h0 * L, latent, L, n, p);
+      block_scores<KH>(q_lat + h0 * L, latent, L, n, p, h0 == 0);
       for (int64_t h = 0; h < KH; ++h) std::fill(p + h * kBlock + n, p + (h + 1) * kBlock, -INFINITY);
       for (int64_t h = h0; h < h0 + KH; ++h) {  // rescale the sums to the new maximum, add the block's weights
         float *ph = p + (h - h0) * kBlock;
@@ -479,31 +538,12 @@ struct RunningSoftmax {
         max[h] = top;
         if (alpha != 1.f) at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, o + h * C, o + h * C, C);
       }
-      for (int64_t c0 = 0; c0 < C; c0 += Vec::size()) {  // o += Σ_r p_r ĉ_r, KH sums in registers
-        const int64_t m = std::min<int64_t>(Vec::size(), C - c0);
-        // even and odd rows into separate sums where there are few heads: KH chains of dependent fmas alone would
-        // wait on the fma latency (2 heads: the largest cost of k3-long's step)
-        constexpr int64_t kChains = KH <= 4 ? 2 : 1;
-        Vec acc[kChains][KH];
-        for (int64_t h = 0; h < KH; ++h) {
-          acc[0][h] = Vec::loadu(o + (h0 + h) * C + c0, m);
-          if (kChains == 2) acc[kChains - 1][h] = Vec(0.f);
-        }
-        int64_t r = 0;
-        for (; r + kChains <= n; r += kChains)
-          for (int64_t c = 0; c < kChains; ++c) {
-            const Vec row = k3::load(latent + (r + c) * L + c0, m);
-            for (int64_t h = 0; h < KH; ++h) acc[c][h] = at::vec::fmadd(Vec(p[h * kBlock + r + c]), row, acc[c][h]);
-          }
-        for (; r < n; ++r) {
-          const Vec row = k3::load(latent + r * L + c0, m);
-          for (int64_t h = 0; h < KH; ++h) acc[0][h] = at::vec::fmadd(Vec(p[h * kBlock + r]), row, acc[0][h]);
-        }
-        for (int64_t h = 0; h < KH; ++h) {
-          if (kChains == 2) acc[0][h] = acc[0][h] + acc[kChains - 1][h];
-          acc[0][h].store(o + (h0 + h) * C + c0, m);
-        }
-      }
+      // o += Σ_r p_r ĉ_r: as many columns at once as fit 4 sums per head block (KH = 1: 4 vectors, 2: 2, more: 1)
+      constexpr int64_t V = Vec::size(), CV = KH >= 4 ? 1 : 4 / KH;
+      int64_t c0 = 0;
+      for (; c0 + CV * V <= C; c0 += CV * V) add_weighted<KH, CV>(p, latent, L, n, o + h0 * C, C, c0);
+      for (; c0 + V <= C; c0 += V) add_weighted<KH, 1>(p, latent, L, n, o + h0 * C, C, c0);
+      if (c0 < C) add_weighted_tail<KH>(p, latent, L, n, o + h0 * C, C, c0, C - c0);
     }
   }
 };

@@ -203,7 +203,7 @@ def test_bf16_kda_step_is_the_fp32_step_rounded_once():
     assert torch.equal(state, fp32_state) and torch.equal(windows, fp32_windows.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 16])
 def test_bf16_moe_routed_is_the_fp32_one_rounded_once(rows):
     """Router and routed experts with bf16 weights (the router bias fp32): the fp32 result on the widened values,
     rounded once to z's dtype (bf16). Widths D 37, L 21, M 27: not whole vectors."""
@@ -217,7 +217,7 @@ def test_bf16_moe_routed_is_the_fp32_one_rounded_once(rows):
     assert r.dtype == torch.bfloat16 and torch.equal(r, expected.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_routed_with_mxfp4_experts_equals_their_decoded_weights(rows, dtype):
     """Router and routed experts with MXFP4 experts (each block decoded in registers): the result of the same call
@@ -235,6 +235,25 @@ def test_moe_routed_with_mxfp4_experts_equals_their_decoded_weights(rows, dtype)
     assert r is not None and r.dtype == dtype
     torch.testing.assert_close(r.float(), expected.to(dtype).float(), rtol=0,
                                atol=(1e-5 if dtype == torch.float32 else 2 ** -7) * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("form", ["fp32", "mxfp4"])
+def test_moe_routed_rows_equal_their_one_row_calls(form):
+    """16 rows over 3 experts, top 2 (10 or so tokens per expert: tiles of 3 and 2, more than one MXFP4 pass of 8):
+    each row's output equals the same row routed alone, bit for bit."""
+    D, L, M, E, rows = 37, 64, 96, 3, 16
+    x, z = randn(rows, D, seed=1), randn(rows, L, seed=2)
+    gate, bias = randn(E, D, seed=3), 0.1 * randn(E, seed=7)
+    shapes = ((4, (M, L)), (5, (M, L)), (6, (L, M)))
+    if form == "mxfp4":
+        experts = [MXFP4Weight(E, *shape).quantize_(randn(E, *shape, seed=seed)) for seed, shape in shapes]
+    else:
+        experts = [randn(E, *shape, seed=seed) for seed, shape in shapes]
+    with torch.no_grad():
+        r = decode.moe_routed(x, z, gate, bias, *experts, 2, True, 2.5, (4.0, 25.0))
+        alone = torch.cat([decode.moe_routed(x[i:i + 1], z[i:i + 1], gate, bias, *experts, 2, True, 2.5, (4.0, 25.0))
+                           for i in range(rows)])
+    assert torch.equal(r, alone)
 
 
 @pytest.mark.parametrize("C", LATENT_C)

@@ -27,6 +27,22 @@ def test_few_rows_without_grad_match_f_linear(shape):
     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_row_is_its_one_row_product_exactly(dtype):
+    """1 to `MAX_ROWS` rows (every tiling of the inputs: tiles of 3, 2 and 1) by 301 weight rows (tiles of 4 and a
+    remainder) of width 203 (not whole vectors): each output row equals that row's own one-row product bit for bit
+    (a sequence decodes the same alone or batched), and `F.linear` to rounding."""
+    w = randn(301, 203, seed=1, dtype=dtype)
+    for rows in range(1, matvec.MAX_ROWS + 1):
+        x = randn(rows, 203, seed=rows, dtype=dtype)
+        with torch.no_grad():
+            y = matvec.linear(x, w)
+            alone = torch.cat([matvec.linear(x[i:i + 1], w) for i in range(rows)])
+        assert torch.equal(y, alone), rows
+        torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()),
+                                   rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-4)
+
+
 def test_a_strided_input_is_read_correctly():
     x, w = randn(200, 3).t(), randn(37, 200, seed=1)  # [3, 200], not contiguous
     with torch.no_grad():

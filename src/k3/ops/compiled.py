@@ -31,7 +31,9 @@ KERNELS = {  # name: source file, relative to this package
     "attention": os.path.join("attention", "cpu_kernel.cpp"),  # blocked causal softmax attention (k3.ops.attention)
 }
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-MAX_ROWS = 4  # the few-row kernels serve calls of at most this many rows (decoding): beyond, a matrix product wins
+# the few-row kernels serve calls of at most this many rows (a decode step of up to 16 sequences): their products
+# take each weight row with every input row in register tiles, beyond which a matrix product wins
+MAX_ROWS = 16
 STALE_LOCK_S = 600.0  # a build takes ≈ 40 s: a lock file this old was left by a killed build
 _VECTOR_FLAGS = {  # by the capability PyTorch itself detected on this CPU; the defines select ATen's matching
     # `Vectorized` (its SLEEF tanh and exp, exported by PyTorch's library)
@@ -103,9 +105,9 @@ def hooked(*modules: torch.nn.Module) -> bool:
 
 
 def serves_few_rows(name: str, rows: int, *tensors: torch.Tensor,
-                    dtypes: tuple[torch.dtype, ...] = (torch.float32,), max_rows: int = MAX_ROWS) -> bool:
-    """Whether a few-row kernel takes a call: at most `max_rows` rows, no autograd, and `serves`."""
-    return not torch.is_grad_enabled() and rows <= max_rows and serves(name, *tensors, dtypes=dtypes)
+                    dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether a few-row kernel takes a call: at most `MAX_ROWS` rows, no autograd, and `serves`."""
+    return not torch.is_grad_enabled() and rows <= MAX_ROWS and serves(name, *tensors, dtypes=dtypes)
 
 
 def load(name: str):

@@ -23,14 +23,12 @@ from k3.ops.experts import ExpertWeight
 
 
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads, tensor by tensor
-# rows (sequences of a decode step) the kernel takes: a batching server's 16 sequences decode as one call per layer
-# (k3-small, 16 rows: 71 ms a step against 211 through the modules; its MoE reads each chosen expert once a call)
-MAX_ROWS = 16
+MAX_ROWS = compiled.MAX_ROWS  # a batching server's 16 sequences decode as one call per layer
 
 
 def serves(rows: int, *tensors: torch.Tensor) -> bool:
     """Whether the decode kernel takes a call of `rows` rows on `tensors` (`compiled.serves_few_rows`)."""
-    return compiled.serves_few_rows("decode", rows, *tensors, dtypes=DTYPES, max_rows=MAX_ROWS)
+    return compiled.serves_few_rows("decode", rows, *tensors, dtypes=DTYPES)
 
 
 def rms_norm(x_NC: torch.Tensor, weight_C: torch.Tensor | None, eps: float, mean: bool = True) -> torch.Tensor | None:

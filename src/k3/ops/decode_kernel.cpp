@@ -280,19 +280,25 @@ class ExpertWeight {
   // activation rows [A, in] fp32 in the layout `rows` reads: as given (dense), even then odd elements (MXFP4)
   torch::Tensor layout(const torch::Tensor &x) const { return scale_ ? k3::mxfp4::split_even_odd(x) : x; }
 
-  // y[i] = (row `row` + i of the flattened [E·out, in]) · x for i < n, x one row in `layout`
-  void rows(int64_t row, int64_t n, const float *x, float *y) const {
+  // y[t][i] = (row `row` + i of the flattened [E·out, in]) · x[t] for i < n and the T rows x[t] in `layout`
+  void rows(int64_t row, int64_t n, const float *const *x, int64_t T, float *const *y) const {
     const int64_t in = this->in();
     if (scale_) {
-      const float *xe = x, *xo = x + in / 2;
       const uint8_t *pp = w_.data_ptr<uint8_t>(), *sp = scale_->data_ptr<uint8_t>();
       const float *e8m0 = k3::mxfp4::e8m0_table();
-      for (int64_t i = 0; i < n; ++i)
-        k3::mxfp4::row_dot(pp + (row + i) * (in / 2), sp + (row + i) * (in / k3::mxfp4::kGroup), in, &xe, &xo, 1,
-                           e8m0, y + i);
+      std::vector<const float *> xe(T), xo(T);  // each row's even, then odd elements
+      for (int64_t t = 0; t < T; ++t) xe[t] = x[t], xo[t] = x[t] + in / 2;
+      float part[k3::mxfp4::kMaxRows];
+      for (int64_t i = 0; i < n; ++i)  // each weight row decoded once for up to kMaxRows tokens
+        for (int64_t t0 = 0; t0 < T; t0 += k3::mxfp4::kMaxRows) {
+          const int64_t c = std::min(k3::mxfp4::kMaxRows, T - t0);
+          k3::mxfp4::row_dot(pp + (row + i) * (in / 2), sp + (row + i) * (in / k3::mxfp4::kGroup), in,
+                             xe.data() + t0, xo.data() + t0, c, e8m0, part);
+          for (int64_t t = 0; t < c; ++t) y[t0 + t][i] = part[t];
+        }
       return;
     }
-    typed(w_, [&](const auto *wp) { rows_dot(wp + row * in, n, in, x, y); });
+    typed(w_, [&](const auto *wp) { k3::rows_dot_many(wp + row * in, n, in, x, T, y); });
   }
 
  private:
@@ -324,23 +330,37 @@ torch::Tensor moe_routed(const torch::Tensor &x_in, const torch::Tensor &z_in, c
   // cache (a batch's tokens share experts: each expert's weights are read once per call, not once per token)
   const int64_t up_blocks = (M + kExpertRows - 1) / kExpertRows, down_blocks = (L + kExpertRows - 1) / kExpertRows;
   at::parallel_for(0, groups.size() * up_blocks, 1, [&](int64_t begin, int64_t end) {  // gate and up rows
+    std::vector<const float *> xs;
+    std::vector<float *> hs, us;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t m0 = (t % up_blocks) * kExpertRows, n = std::min(kExpertRows, M - m0);
-      for (const int64_t a : groups[t / up_blocks]) {
-        const Expert &c = chosen[a];
-        w1.rows(c.id * M + m0, n, zp + c.row * L, h.data() + a * M + m0);
-        w3.rows(c.id * M + m0, n, zp + c.row * L, u.data() + a * M + m0);
+      const auto &group = groups[t / up_blocks];
+      xs.clear(), hs.clear(), us.clear();
+      for (const int64_t a : group) {
+        xs.push_back(zp + chosen[a].row * L);
+        hs.push_back(h.data() + a * M + m0);
+        us.push_back(u.data() + a * M + m0);
       }
+      const int64_t id = chosen[group[0]].id, T = group.size();
+      w1.rows(id * M + m0, n, xs.data(), T, hs.data());
+      w3.rows(id * M + m0, n, xs.data(), T, us.data());
     }
   });
   glu(h.data(), u.data(), A * M, {situ, static_cast<float>(beta1), static_cast<float>(beta2)});
   const auto hl = w2.layout(torch::from_blob(h.data(), {A, M}, torch::kFloat));
   const float *hp = hl.data_ptr<float>();
   at::parallel_for(0, groups.size() * down_blocks, 1, [&](int64_t begin, int64_t end) {  // down rows
+    std::vector<const float *> xs;
+    std::vector<float *> ys;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t l0 = (t % down_blocks) * kExpertRows, n = std::min(kExpertRows, L - l0);
-      for (const int64_t a : groups[t / down_blocks])
-        w2.rows(chosen[a].id * L + l0, n, hp + a * M, y.data() + a * L + l0);
+      const auto &group = groups[t / down_blocks];
+      xs.clear(), ys.clear();
+      for (const int64_t a : group) {
+        xs.push_back(hp + a * M);
+        ys.push_back(y.data() + a * L + l0);
+      }
+      w2.rows(chosen[group[0]].id * L + l0, n, xs.data(), group.size(), ys.data());
     }
   });
   auto out = torch::zeros({N, L}, x.options());

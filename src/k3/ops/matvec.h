@@ -50,14 +50,18 @@ inline void check_product(const torch::Tensor &x, const torch::Tensor &W) {
   TORCH_CHECK(x.size(-1) == W.size(-1), "matvec kernel: x and W disagree on the input width");
 }
 
-// y[a·y_stride + r] = Σ_j W[r·in + j] x[a·in + j] for the rows r < rows of W and the N rows a of x: blocks of
-// kRowBlock weight rows (`rows_dot`), each block taken with every row of x while it is in cache
+// y[a·y_stride + r] = Σ_j W[r·in + j] x[a·in + j] for the rows r < rows of W and the N rows a of x (`rows_dot_many`:
+// each weight row read from memory once, its products with the rows of x taken in register tiles)
 template <typename T>
 inline void block_product(const T *W, int64_t rows, int64_t in, const float *x, int64_t N, float *y,
                           int64_t y_stride) {
-  for (int64_t r = 0; r < rows; r += kRowBlock)
-    for (int64_t a = 0; a < N; ++a)
-      rows_dot(W + r * in, std::min(kRowBlock, rows - r), in, x + a * in, y + a * y_stride + r);
+  std::vector<const float *> xs(N);
+  std::vector<float *> ys(N);
+  for (int64_t a = 0; a < N; ++a) {
+    xs[a] = x + a * in;
+    ys[a] = y + a * y_stride;
+  }
+  rows_dot_many(W, rows, in, xs.data(), N, ys.data());
 }
 
 // x [..., in] and weights W_k [out_k, in] -> [x W_kᵀ for every k], each [..., out_k] in x's dtype: one pass over all
@@ -111,19 +115,14 @@ inline torch::Tensor linear_sum(const std::vector<std::pair<torch::Tensor, torch
   auto y = torch::zeros(sizes, xs[0].options());
   float *yp = y.data_ptr<float>();
   at::parallel_for(0, out, grain(row_bytes), [&](int64_t begin, int64_t end) {
-    float part[kRowBlock];
+    std::vector<float> part(N * (end - begin));  // one term's products of these rows, [N, end − begin]
     for (size_t t = 0; t < terms.size(); ++t) {  // each row sums the terms in their order
       const int64_t in = terms[t].second.size(1);
-      const float *x = xs[t].data_ptr<float>();
       typed(terms[t].second, [&](const auto *W) {
-        for (int64_t i = begin; i < end; i += kRowBlock) {  // blocks of rows, as in block_product
-          const int64_t n = std::min(kRowBlock, end - i);
-          for (int64_t a = 0; a < N; ++a) {
-            rows_dot(W + i * in, n, in, x + a * in, part);
-            for (int64_t k = 0; k < n; ++k) yp[a * out + i + k] += part[k];
-          }
-        }
+        block_product(W + begin * in, end - begin, in, xs[t].data_ptr<float>(), N, part.data(), end - begin);
       });
+      for (int64_t a = 0; a < N; ++a)
+        for (int64_t k = 0; k < end - begin; ++k) yp[a * out + begin + k] += part[a * (end - begin) + k];
     }
   });
   return like(y, terms[0].first);

@@ -101,6 +101,22 @@ def test_input_validation(tiny_model):
     assert model(ok.int()).logits.shape == (1, 5, 256)
 
 
+def test_logits_to_keep_returns_the_last_positions(tiny_model):
+    """`logits_to_keep` N: the last N positions' logits of the full call (the same hidden states, the same lm_head
+    rows); 0 keeps all; a negative count, or a count with labels (the loss needs every position), is refused."""
+    model = tiny_model(seed=2)
+    ids = ids_for(256, 2, 7, 3)
+    with torch.no_grad():
+        full = model(ids).logits
+        for n in (1, 3, 7):
+            torch.testing.assert_close(model(ids, logits_to_keep=n).logits, full[:, -n:], rtol=1e-6, atol=1e-6)
+        assert torch.equal(model(ids, logits_to_keep=0).logits, full)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(ids, logits_to_keep=-1)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(ids, labels=ids, logits_to_keep=1)
+
+
 @pytest.mark.parametrize("value, problem", [(256, "256"), (10**6, "1000000"), (-101, "-101"), (-1, "-1")])
 def test_bad_labels_are_named(tiny_model, value, problem):
     """A label must be a token id or the ignore index −100: anything else names the position and the value."""

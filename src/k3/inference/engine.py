@@ -343,7 +343,9 @@ class Engine:
         end = len(seq.prompt_ids) if seq.media else min(boundary, len(seq.prompt_ids))  # whole chunks, so the
         # calls (and their rounding) are the same whatever else runs and whether a prefix came from the cache
         start, ids = seq.prefilled, torch.tensor([seq.prompt_ids[seq.prefilled:end]])
-        logits_TV = self.model(ids, cache=seq.cache, validate=False, **seq.media).logits[0, :, :self.vocab_size]
+        keep = 0 if seq.params.prompt_logprobs is not None else 1  # the prompt's logits only where they are asked for
+        logits_TV = self.model(ids, cache=seq.cache, validate=False, logits_to_keep=keep,
+                               **seq.media).logits[0, :, :self.vocab_size]
         if seq.params.prompt_logprobs is not None:
             targets = seq.prompt_ids[seq.prefilled + 1: end + 1]
             seq.prompt_logprobs += _logprobs(logits_TV[: len(targets)], targets, seq.params.prompt_logprobs)

@@ -158,7 +158,7 @@ def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch
         chunk = T if prefill_chunk is None or prefill_inputs else prefill_chunk
         for start in range(0, T, chunk):  # input_ids were checked above
             end = min(start + chunk, T)
-            logits_BO = model(input_ids[:, start:end], cache=cache, validate=False,
+            logits_BO = model(input_ids[:, start:end], cache=cache, validate=False, logits_to_keep=1,
                               attention_mask=None if attention_mask is None else attention_mask[:, :end],
                               **prefill_inputs).logits[:, -1]
             if on_prefill is not None:

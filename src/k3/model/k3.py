@@ -205,7 +205,7 @@ class K3ForCausalLM(PretrainedMixin, nn.Module):
     def forward(self, input_ids: torch.LongTensor | None = None, labels: torch.LongTensor | None = None,
                 cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                validate: bool = True) -> CausalLMOutput:
+                validate: bool = True, logits_to_keep: int = 0) -> CausalLMOutput:
         """`labels` follow the HF convention: same shape as `input_ids`, shifted inside so position t predicts
         token t+1; IGNORE_INDEX (-100) is ignored. The loss is computed in fp32 (0, with a warning, when no
         label is scored).
@@ -215,12 +215,16 @@ class K3ForCausalLM(PretrainedMixin, nn.Module):
         `document_ids` [B, T] packs several documents per row: nothing crosses a boundary (KDA state and conv
         window restart, MLA attention stays inside the document, no loss on the next document's first token).
         `inputs_embeds` [B, T, D] may replace `input_ids` (exactly one of the two). `validate=False` skips the
-        checks of `input_ids` and `labels` (callers that produced them themselves, e.g. a decode loop)."""
+        checks of `input_ids` and `labels` (callers that produced them themselves, e.g. a decode loop).
+        `logits_to_keep` N > 0 returns the logits of the last N positions only (a prompt's prefill needs its last)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
+        if logits_to_keep < 0 or (logits_to_keep and labels is not None):
+            raise ValueError(f"logits_to_keep must be 0 (all) or, without labels, a positive count; got {logits_to_keep}")
         if validate:
             self.check_inputs(input_ids, inputs_embeds, labels)
-        logits_BTO = self.lm_head(self.model(input_ids, cache, attention_mask, document_ids, inputs_embeds))
+        hidden_BTD = self.model(input_ids, cache, attention_mask, document_ids, inputs_embeds)
+        logits_BTO = self.lm_head(hidden_BTD[:, -logits_to_keep:] if logits_to_keep else hidden_BTD)
         loss = loss_tokens = None
         if labels is not None:
             real_BT = None if attention_mask is None else attention_mask[:, -labels.shape[1]:].to(labels.device)

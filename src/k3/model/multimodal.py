@@ -145,14 +145,15 @@ class K3ForConditionalGeneration(PretrainedMixin, nn.Module):
     def forward(self, input_ids: torch.LongTensor, pixel_values: torch.Tensor | None = None,
                 grid_thws: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
                 cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None,
-                validate: bool = True) -> CausalLMOutput:
+                validate: bool = True, logits_to_keep: int = 0) -> CausalLMOutput:
         """Logits (and the shifted loss) over the MERGED sequence [B, S, V] (§9.9).
 
         `pixel_values` [N, 3, P, P] are the packed normalised patches of all media items in placeholder order,
         `grid_thws` [n_items, 3] their (t, h, w) grids. `labels` and `attention_mask` (1 real, 0 left padding)
         are given per input token [B, T] and expanded with the features. With a `cache`, a prompt with media is
         prefilled once; later calls feed text tokens only (the mask then covers the new tokens only).
-        `validate=False` skips the id and label checks (see `K3ForCausalLM.forward`).
+        `validate=False` skips the id and label checks, `logits_to_keep` N > 0 keeps the last N positions' logits
+        (see `K3ForCausalLM.forward`).
         """
         if validate:
             self.check_input_ids(input_ids)
@@ -164,4 +165,4 @@ class K3ForConditionalGeneration(PretrainedMixin, nn.Module):
         layout = self.layout(input_ids, grid_thws)
         embeds_BrD, labels_Br, mask_Br = self.merge_inputs(input_ids, features, layout, labels, attention_mask)
         return self.language_model(inputs_embeds=embeds_BrD, labels=labels_Br, cache=cache, attention_mask=mask_Br,
-                                   validate=validate)
+                                   validate=validate, logits_to_keep=logits_to_keep)

@@ -6,10 +6,11 @@ rows' order. The fast path is PyTorch's `torch._grouped_mm` (one kernel, no padd
 in use; its backward gives every expert's weight gradient, zeros for experts without rows). It
 exists where the installed PyTorch has it for the tensors' device and dtype (checked once per combination);
 elsewhere, for example float64 on CPU or an older PyTorch, `grouped_mm_reference` does one matmul per expert
-with rows. Calls with fewer rows than experts (decoding) skip the kernel, which costs a few µs per expert on CPU
-even for experts without rows (k3-full decode: 896 experts for 16 rows, measured 4.4× slower than the loop over
-the 16): they run `k3.ops.matvec.expert_linear` (one compiled pass over the chosen experts' weights) where it
-applies, else the reference.
+with rows. No-grad CPU calls of a few rows per expert (decoding, short prompts) run `k3.ops.matvec.expert_linear`
+(one compiled pass over the chosen experts' weights, each expert's rows in register tiles: k3-small's 64-token
+prefill spent 95 ms in the grouped kernel's small products); calls with fewer rows than experts that it does not
+take run the reference, as the kernel costs a few µs per expert on CPU even for experts without rows (k3-full
+decode: 896 experts for 16 rows, measured 4.4× slower than the loop over the 16).
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ def _fast_path_works(device: torch.device, dtype: torch.dtype, m: int, n: int) -
 def grouped_mm(x_Am: torch.Tensor, w_Emn: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """Row block e of `x_Am` (`counts_E[e]` rows, in expert order) times `w_Emn[e]`; [A, n]."""
     w_Emn = w_Emn.to(x_Am.dtype)  # autocast does not cover the grouped kernel: the weights follow x (no-op in fp32)
+    y_An = expert_linear(x_Am, w_Emn.transpose(-1, -2), counts_E)  # w_Emn: a view of the stored [E, n, m]
+    if y_An is not None:
+        return y_An
     few_rows = x_Am.shape[0] < w_Emn.shape[0]  # e.g. decoding: the kernel's per-expert cost, empty or not, dominates
-    if few_rows:
-        y_An = expert_linear(x_Am, w_Emn.transpose(-1, -2), counts_E)  # w_Emn: a view of the stored [E, n, m]
-        return grouped_mm_reference(x_Am, w_Emn, counts_E) if y_An is None else y_An
-    if not _fast_path_works(x_Am.device, x_Am.dtype, *w_Emn.shape[1:]):
+    if few_rows or not _fast_path_works(x_Am.device, x_Am.dtype, *w_Emn.shape[1:]):
         return grouped_mm_reference(x_Am, w_Emn, counts_E)
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)  # end row of every expert
     return torch._grouped_mm(x_Am, w_Emn, offs=offs_E)

@@ -49,8 +49,9 @@ def project(x: torch.Tensor, *layers: nn.Linear) -> list[torch.Tensor]:
 
 def expert_linear(x_AI: torch.Tensor, weight_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor | None:
     """x[a] W[e]ᵀ for the rows a of expert e, rows sorted by expert, `counts_E[e]` of them (`grouped_mm`'s
-    contract); None where the kernel does not apply (the caller's matmul serves)."""
-    if not _applies(x_AI, weight_EOI, x_AI.shape[0]):
+    contract); None where the kernel does not apply (the caller's matmul serves): it takes up to `MAX_ROWS` rows
+    per expert on average (a decode step, a short prompt: k3-small's 64-token prefill routes 8 rows to an expert)."""
+    if not _applies(x_AI, weight_EOI, -(-x_AI.shape[0] // weight_EOI.shape[0])):
         return None
     return compiled.load("matvec").expert_linear(x_AI.contiguous(), weight_EOI, counts_E.long().contiguous())
 

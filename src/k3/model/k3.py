@@ -220,7 +220,8 @@ class K3ForCausalLM(PretrainedMixin, nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
         if logits_to_keep < 0 or (logits_to_keep and labels is not None):
-            raise ValueError(f"logits_to_keep must be 0 (all) or, without labels, a positive count; got {logits_to_keep}")
+            raise ValueError("logits_to_keep must be 0 (all) or, without labels, a positive count; "
+                             f"got {logits_to_keep}")
         if validate:
             self.check_inputs(input_ids, inputs_embeds, labels)
         hidden_BTD = self.model(input_ids, cache, attention_mask, document_ids, inputs_embeds)

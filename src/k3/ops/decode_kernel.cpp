@@ -36,6 +36,7 @@ using k3::sigmoid;
 using k3::typed;
 
 using k3::inverse_norm;
+using k3::kExpertRows;
 
 // RMSNorm / L2 normalisation over the last axis (k3.ops.norm): y = x / sqrt(mean(x²) + ε) (`mean`) or
 // x / sqrt(Σ x² + ε), times `weight` [C] when given (read as stored); in x's dtype with a weight (RMSNorm), fp32
@@ -209,8 +210,6 @@ struct Expert {
   int64_t row, id;
   float weight;
 };
-
-constexpr int64_t kExpertRows = 16;  // weight rows of one expert a MoE task takes with all of its tokens
 
 // the assignments of each chosen expert (indices into `chosen`), one list per distinct expert
 inline std::vector<std::vector<int64_t>> by_expert(const std::vector<Expert> &chosen) {

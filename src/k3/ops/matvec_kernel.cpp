@@ -11,7 +11,7 @@
 namespace {
 
 
-constexpr int64_t kExpertRows = 16;  // weight rows of one expert a task takes with all of that expert's rows of x
+using k3::kExpertRows;
 
 // x [A, in] with its rows sorted by expert, counts[e] of them for expert e; W [E, out, in] -> y [A, out],
 // y[a, i] = Σ_j W[e(a), i, j] x[a, j] (grouped_mm's contract), in x's dtype. A task: kExpertRows rows of one

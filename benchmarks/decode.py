@@ -4,7 +4,8 @@ k3-tiny and k3-small, random init, fp32 on CPU, B=1, under `torch.no_grad()`. Fo
 filled by a chunked prefill and extended context by context (1K, 8K, 32K, 64K; --quick: 1K, 8K). At every
 context reached:
 
-* per-token decode latency: median over DECODE_STEPS one-token steps after one warm-up step, with the MLA
+* per-token decode latency through the model's modules (`model(ids, cache=...)`, not the compiled step of
+  `k3.inference.compiled_step`): median over DECODE_STEPS one-token steps after one warm-up step, with the MLA
   layers in the absorbed form (MQA over the latent, §4.4) and in the expanded form (§4.2). Each step
   runs in both forms from the same cache state (paired), so both see the same tokens and the same machine
   load; their logits are compared and the expanded/absorbed ratio is the median of the per-step ratios;
@@ -44,8 +45,10 @@ import torch
 from k3.config import K3Config
 from k3.model.cache import K3Cache, KDACache
 from k3.model.accounting import cache_sizes
-from k3.model import fused_layer
+from k3.inference import compiled_step
+from k3.inference.compiled_step import decode_one_token
 from k3.model.k3 import K3ForCausalLM
+from k3.model.mla import GatedMLA, absorbed_max_tokens
 from k3.runtime import huge_page_weights
 from common import CpuWait, allocator, machine, print_table
 
@@ -95,12 +98,16 @@ class SublayerTimer:
 
 @contextlib.contextmanager
 def mla_decode_mode(model: K3ForCausalLM, mode: str):
-    """Every GatedMLA reads `mla_decode` from the model's (shared) config at call time."""
-    previous, model.config.mla_decode = model.config.mla_decode, mode
+    """Every GatedMLA layer's short cached calls in the absorbed or the expanded form (`absorbed_max_tokens` 0)."""
+    layers = [m for m in model.modules() if isinstance(m, GatedMLA)]
+    previous = [m.absorbed_max_tokens for m in layers]
+    for m in layers:
+        m.absorbed_max_tokens = absorbed_max_tokens(m.config) if mode == "absorbed" else 0
     try:
         yield
     finally:
-        model.config.mla_decode = previous
+        for m, value in zip(layers, previous):
+            m.absorbed_max_tokens = value
 
 
 def snapshot(cache: K3Cache):
@@ -198,7 +205,7 @@ def greedy_steps(model, cache, first_B, steps):
     tokens, next_B = [], first_B
     start = time.perf_counter()
     for _ in range(steps):
-        next_B = model(next_B[:, None], cache=cache, validate=False).logits[:, -1].argmax(-1)
+        next_B = decode_one_token(model, next_B[:, None], cache)[:, -1].argmax(-1)
         tokens.append(next_B)
     return time.perf_counter() - start, torch.stack(tokens, 1)
 
@@ -206,8 +213,8 @@ def greedy_steps(model, cache, first_B, steps):
 @contextlib.contextmanager
 def token_split(model):
     """Seconds spent, while inside the block, in the KDA and in the MLA decoder layers' compiled calls
-    (`fused_layer._run`) and in `lm_head`: a dict filled in as the block runs."""
-    seconds, run, forward = collections.defaultdict(float), fused_layer._run, model.lm_head.forward
+    (`compiled_step._run`) and in `lm_head`: a dict filled in as the block runs."""
+    seconds, run, forward = collections.defaultdict(float), compiled_step._run, model.lm_head.forward
 
     def timed_run(layer, *args):
         start = time.perf_counter()
@@ -221,11 +228,11 @@ def token_split(model):
         seconds["lm_head"] += time.perf_counter() - start
         return y
 
-    fused_layer._run, model.lm_head.forward = timed_run, timed_lm_head
+    compiled_step._run, model.lm_head.forward = timed_run, timed_lm_head
     try:
         yield seconds
     finally:
-        fused_layer._run = run
+        compiled_step._run = run
         del model.lm_head.forward
 
 

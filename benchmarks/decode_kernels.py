@@ -1,13 +1,13 @@
 """Benchmark: the compiled decode kernels side by side (docs/architecture.md §0.6).
 
-k3-tiny and k3-small, random init, fp32 on CPU, B=1, under `torch.no_grad()`, after a 512-token prompt. Four
+k3-tiny and k3-small, random init, fp32 on CPU, B=1, under `torch.no_grad()`, after a 512-token prompt. Three
 settings, alternating round by round in one process so that all of them see the same machine:
 
 * torch ops — no compiled kernel at all;
-* products — only the few-row products (`k3.ops.matvec`) and SiTU-GLU (`k3.ops.activation`) compiled;
-* fused ops — the fused one-token operations (`k3.ops.decode`: norms, AttnRes mixes, the KDA and MLA steps, the MoE
-  router and routed experts) too, each called by its module;
-* layer calls — each decoder layer as one compiled call (`k3.model.fused_layer`), the default.
+* kernels per op — every compiled kernel built, each operation's called by its module (the few-row products, SiTU-GLU,
+  the norms and AttnRes mixes of `k3.ops.decode`), the layers running their modules;
+* layer calls — each decoder layer as one compiled call (`k3.inference.compiled_step.decode_one_token`, what
+  `generate` and the server run).
 
 Reported: decode tokens/s (median of the rounds, each DECODE_STEPS greedy steps from the same cache state),
 the ratios, and the ATen calls per token (counted by a dispatch mode over one step). "CPU wait" is the share of
@@ -25,7 +25,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3.config import K3Config
-from k3.model import fused_layer
+from k3.inference import compiled_step
+from k3.inference.compiled_step import decode_one_token
 from k3.model.k3 import K3ForCausalLM
 from k3.ops import compiled
 from common import CpuWait, machine, print_table
@@ -36,8 +37,7 @@ ALL = ("matvec", "activation", "decode")
 SETTINGS = {  # the kernels each setting builds (the others report "unavailable" and their torch ops serve), and
     # whether a decoder layer may run as one compiled call
     "torch ops": ((), False),
-    "products": (("matvec", "activation"), False),
-    "fused ops": (ALL, False),
+    "kernels per op": (ALL, False),
     "layer calls": (ALL, True),
 }
 
@@ -54,18 +54,18 @@ class AtenCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def use_kernels(names, layer_calls: bool, build=compiled.build, run_layer=fused_layer._run) -> None:
+def use_kernels(names, layer_calls: bool, build=compiled.build, run_layer=compiled_step._run) -> None:
     """Make `compiled.build` refuse every kernel but `names` (the KDA chunk kernel is prefill-only: kept), and the
-    decoder layers run their modules unless `layer_calls` (the stack's step and each layer's own)."""
+    decoder layers run their modules unless `layer_calls`."""
     compiled.build = lambda name: build(name) if name in names or name == "kda" else (None, "off for comparison")
-    fused_layer._run = run_layer if layer_calls else lambda *args: None
+    compiled_step._run = run_layer if layer_calls else lambda *args: None
 
 
 def decode_steps(model, cache, first_B, steps) -> float:
     """Seconds for `steps` greedy one-token steps from the cache's current state."""
     next_B, start = first_B, time.perf_counter()
     for _ in range(steps):
-        next_B = model(next_B[:, None], cache=cache, validate=False).logits[:, -1].argmax(-1)
+        next_B = decode_one_token(model, next_B[:, None], cache)[:, -1].argmax(-1)
     return time.perf_counter() - start
 
 
@@ -106,7 +106,7 @@ def main():
     presets, rounds = (("k3-small",), 3) if args.quick else (("k3-tiny", "k3-small"), 7)
     print(machine())
     print(f"fp32, B=1, no_grad, random init; {PROMPT}-token prompt; median of {rounds} rounds of {DECODE_STEPS} "
-          "greedy decode steps, the four settings alternating; ratios against the first column\n")
+          "greedy decode steps, the three settings alternating; ratios against the first column\n")
     rows = []
     for name in presets:
         wait = CpuWait()

@@ -30,6 +30,7 @@ import torch
 
 import k3
 from k3.model.accounting import count_parameters, forward_flops_per_token
+from k3.model.kda import KimiDeltaAttention
 
 
 class Timer:
@@ -108,8 +109,8 @@ def main(argv=None):
     parser.add_argument("--prompt", type=int, default=16, help="decode: prompt length")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="decode: timed calls of each length")
-    parser.add_argument("--kda-impl", default="auto", help="K3Config.kda_impl: auto (fla on CUDA where installed), "
-                        "chunk (the torch ops), fla")
+    parser.add_argument("--kda-impl", default="auto", help="the KDA layers' core (k3.ops.kda.delta_rule): auto (fla on "
+                        "CUDA where installed), chunk (the torch ops), fla")
     parser.add_argument("--quick", action="store_true", help="k3-tiny, 2×64, 8 decode tokens, 1 timed step")
     args = parser.parse_args(argv)
     if args.quick:
@@ -121,15 +122,18 @@ def main(argv=None):
         return 2
 
     torch.manual_seed(0)
-    config = k3.K3Config.from_preset(args.preset, kda_impl=args.kda_impl)
+    config = k3.K3Config.from_preset(args.preset)
     model = k3.K3ForCausalLM(config).to(device)
+    for module in model.modules():
+        if isinstance(module, KimiDeltaAttention):
+            module.impl = args.kda_impl
     params = count_parameters(model, config)
     from k3.ops.kda.gpu import use_fla
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"{args.preset} on {name}: {params.total_params / 1e6:.1f} M parameters "
           f"({params.activated_params / 1e6:.1f} M activated), torch {torch.__version__}, "
-          f"KDA core: {'fla (Triton)' if use_fla(config.kda_impl, device) else 'torch ops'}, "
+          f"KDA core: {'fla (Triton)' if use_fla(args.kda_impl, device) else 'torch ops'}, "
           f"TF32 matmul {'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}", flush=True)
 
     rows = []

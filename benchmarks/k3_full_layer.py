@@ -5,7 +5,7 @@
 
 Layer 0 is KDA with the dense FFN, layer 1 MLA with Stable LatentMoE (all 896 experts packed, about 15.7 GB); every
 other tensor is bf16. A child process loads the checkpoint with `from_pretrained` (its peak RSS and load time), checks
-the packed model's next-token logits against the expert-by-expert dense reference (moe_impl="loop": each chosen
+the packed model's next-token logits against the expert-by-expert dense reference (loop experts: each chosen
 expert decoded, run, discarded) and decodes `--tokens` tokens greedily. The roofline: the bytes one decode step reads
 (every weight a token uses: all non-expert tensors but one embedding row, and the 16 chosen experts' packed bytes)
 divided by a copy bandwidth measured on the same machine (reads + writes of a 1 GiB copy), against the step time.
@@ -42,6 +42,7 @@ def child(model_dir: str, tokens: int) -> None:
     """Load, check, decode; prints one JSON line."""
     from k3.inference import generate
     from k3.model import K3ForCausalLM
+    from k3.model.moe import RoutedExperts
     from k3.ops.mxfp4 import MXFP4Weight
 
     torch.set_grad_enabled(False)
@@ -52,9 +53,12 @@ def child(model_dir: str, tokens: int) -> None:
     config = model.config
     ids = torch.randint(0, config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     logits = model(ids).logits[0, -1].float()
-    config.moe_impl = "loop"  # the reference: each chosen expert decoded alone, run, discarded
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    for m in experts:
+        m.impl = "loop"  # the reference: each chosen expert decoded alone, run, discarded
     reference = model(ids).logits[0, -1].float()
-    config.moe_impl = "grouped"
+    for m in experts:
+        m.impl = "grouped"
     relative = ((logits - reference).abs().max() / reference.abs().max()).item()
     generate(model, ids, 2, temperature=0)  # warm-up
     start = time.perf_counter()

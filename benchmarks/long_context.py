@@ -76,6 +76,7 @@ def run_one(tokens: int) -> dict:
 def decode_step_at(model, tokens: int, steps: int = DECODE_TOKENS) -> float:
     """ms per greedy one-token step over a cache already `tokens` positions long: its MLA latents and KDA states
     filled with random values (a step's cost does not depend on them), so no prefill is needed to reach the length."""
+    from k3.inference.compiled_step import decode_one_token
     from k3.model.cache import MLACache
 
     g = torch.Generator().manual_seed(2)
@@ -91,10 +92,10 @@ def decode_step_at(model, tokens: int, steps: int = DECODE_TOKENS) -> float:
         cache.length = tokens
         token = torch.tensor([[1]])
         for _ in range(2):  # warm-up
-            token = model(token, cache=cache, validate=False).logits[:, -1:].argmax(-1)
+            token = decode_one_token(model, token, cache)[:, -1:].argmax(-1)
         start = time.perf_counter()
         for _ in range(steps):
-            token = model(token, cache=cache, validate=False).logits[:, -1:].argmax(-1)
+            token = decode_one_token(model, token, cache)[:, -1:].argmax(-1)
     return 1e3 * (time.perf_counter() - start) / steps
 
 

@@ -78,6 +78,7 @@ from common import CpuWait, machine, print_table
 from decode import Prefill, restore, snapshot
 from k3.config import K3Config
 from k3.runtime import huge_page_weights, peak_rss_gib
+from k3.inference.compiled_step import decode_one_token
 from k3.inference.generate import sample_next_token
 from k3.model import K3ForCausalLM
 from k3.tokenizer import K3Tokenizer, train_bpe
@@ -245,7 +246,7 @@ class K3Speeds:
         restore(cache, self.start)
         next_B, t0 = self.ids_BT[:, self.depth], time.perf_counter()
         for _ in range(self.n_gen):
-            next_B = sample_next_token(model(next_B[:, None], cache=cache, validate=False).logits[:, -1], 0)
+            next_B = sample_next_token(decode_one_token(model, next_B[:, None], cache)[:, -1], 0)
         return {"pp": pp, "tg": self.n_gen / (time.perf_counter() - t0)}
 
 

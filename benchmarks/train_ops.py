@@ -18,10 +18,9 @@ import time
 import torch
 
 from common import machine  # importing common keeps freed memory for reuse, as the k3 command does
-from k3.model.kda import short_conv
-import k3.model.kda as kda_module
 from k3.ops.activation import situ_glu, situ_glu_reference
-from k3.ops.kda.conv import compiled_short_conv
+from k3.ops.kda import conv
+from k3.ops.kda.conv import compiled_short_conv, short_conv
 from k3.ops.norm import RMSNorm, l2_normalize, normalized_key_mix
 
 B, T, D = 8, 256, 128
@@ -57,11 +56,11 @@ def cases():
     docs = torch.cat([torch.full((B, n), i) for i, n in enumerate((100, 90, 66))], 1)
 
     def conv_reference(x, w):
-        kda_module.compiled_short_conv = lambda *args: None
+        conv.compiled_short_conv = lambda *args: None
         try:
             return short_conv(x, w, None, docs)[0]
         finally:
-            kda_module.compiled_short_conv = compiled_short_conv
+            conv.compiled_short_conv = compiled_short_conv
 
     norm = RMSNorm(D, eps=1e-5)
     return {

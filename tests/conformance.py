@@ -133,3 +133,20 @@ def spread_weights_(module: nn.Module, std: float = 0.15) -> nn.Module:
         else:
             p.normal_(0, std)
     return module
+
+
+def set_runtime(model, kda_impl: str | None = None, moe_impl: str | None = None, mla_decode: str | None = None):
+    """Set the runtime choices of every layer of `model` in place and return it: the KDA core's impl, the routed
+    experts' impl ("grouped" | "loop"), and the MLA form of cached short calls ("absorbed" | "expanded")."""
+    from k3.model.kda import KimiDeltaAttention
+    from k3.model.mla import GatedMLA, absorbed_max_tokens
+    from k3.model.moe import RoutedExperts
+
+    for module in model.modules():
+        if isinstance(module, KimiDeltaAttention) and kda_impl is not None:
+            module.impl = kda_impl
+        elif isinstance(module, RoutedExperts) and moe_impl is not None:
+            module.impl = moe_impl
+        elif isinstance(module, GatedMLA) and mla_decode is not None:
+            module.absorbed_max_tokens = absorbed_max_tokens(module.config) if mla_decode == "absorbed" else 0
+    return model

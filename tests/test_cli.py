@@ -560,7 +560,7 @@ def test_mxfp4_export_reloads_packed_and_generates_as_the_dense_load(train_corpu
 def test_init_writes_a_random_packed_checkpoint_that_generates(tmp_path, capsys):
     """`k3 init` (the small-width copy of the k3-full-layer benchmark's command): MXFP4 experts on disk and in memory,
     bf16 elsewhere, a tokenizer covering every id; the packed model's logits equal the expert-by-expert dense
-    reference (each expert decoded, run, discarded: moe_impl="loop"), and `k3 generate` decodes from it."""
+    reference (each expert decoded, run, discarded: loop experts), and `k3 generate` decodes from it."""
     from k3.model import K3ForCausalLM
     from k3.ops.mxfp4 import MXFP4Weight
 
@@ -570,8 +570,9 @@ def test_init_writes_a_random_packed_checkpoint_that_generates(tmp_path, capsys)
     model = K3ForCausalLM.from_pretrained(out)
     assert isinstance(model.model.layers[1].block_sparse_moe.experts.w2, MXFP4Weight)
     assert model.lm_head.weight.dtype == torch.bfloat16 and model.config.num_hidden_layers == 2
-    reference = K3ForCausalLM.from_pretrained(out)
-    reference.config.moe_impl = "loop"
+    from conformance import set_runtime
+
+    reference = set_runtime(K3ForCausalLM.from_pretrained(out), moe_impl="loop")
     ids = torch.randint(0, 1024, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits, expected = model(ids).logits.float(), reference(ids).logits.float()

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from k3.fileio import atomic_write
-from k3.ops.kda.gpu import IMPLS as KDA_IMPLS
 from k3.ops.loss import IGNORE_INDEX
 
 
@@ -175,9 +174,6 @@ class K3Config:
     pad_token_id: int | None = 163839  # [U]
     # our non-architectural knobs (§1.3); written to JSON only when not default
     kda_chunk_size: int = 64
-    kda_impl: str = "auto"  # "auto" (fla's kernels on CUDA if installed, else "chunk") | "chunk" | "recurrent" | "fla"
-    moe_impl: str = "grouped"  # "grouped" | "loop"
-    mla_decode: str = "absorbed"  # one-token MLA steps: "absorbed" (MQA over the latent, §4.4) | "expanded"
     # switches back to Kimi K2's forms (§14), written to JSON only when off; with `mla_use_nope = false` (RoPE),
     # `hidden_act = "silu"` (SwiGLU) and `latent_moe_use_norm = false` they make the K2 baseline
     use_block_attn_res: bool = True  # false: plain pre-norm residual stream x + f(norm(x)) (§14.3)
@@ -300,9 +296,6 @@ class K3Config:
         need(self.max_position_embeddings is None or self.max_position_embeddings > 0, "max_position_embeddings",
              "must be a positive integer or null")
         need(self.routed_scaling_factor > 0, "routed_scaling_factor", "must be positive")
-        need(self.kda_impl in KDA_IMPLS, "kda_impl", f"must be one of {', '.join(map(repr, KDA_IMPLS))}")
-        need(self.moe_impl in ("grouped", "loop"), "moe_impl", "must be 'grouped' or 'loop'")
-        need(self.mla_decode in ("absorbed", "expanded"), "mla_decode", "must be 'absorbed' or 'expanded'")
         need(self.tie_word_embeddings is False, "tie_word_embeddings", "must be false (K3 has an untied lm_head)")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, name)
@@ -618,8 +611,7 @@ _LAC_TO_FIELD = {
 }
 _LINEAR_ATTN_FIELDS = frozenset(_LAC_TO_FIELD.values())
 _FIELD_TO_LAC = {name: key for key, name in _LAC_TO_FIELD.items()}
-_KNOB_DEFAULTS = {"kda_chunk_size": 64, "kda_impl": "auto", "moe_impl": "grouped", "mla_decode": "absorbed",
-                  "use_block_attn_res": True, "use_latent_moe": True}
+_KNOB_DEFAULTS = {"kda_chunk_size": 64, "use_block_attn_res": True, "use_latent_moe": True}
 
 FILE_DEFAULTS: dict[str, Any] = {
     "activation_situ_beta": 1.0,  # §6.1: a file without β₁ means 1.0

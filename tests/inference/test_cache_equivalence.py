@@ -12,13 +12,14 @@ import copy
 import pytest
 import torch
 
-import k3.model.kda as kda_module
-from k3.model import fused_layer
+import k3.ops.kda.core as kda_core
 from k3.config import K3Config
+from k3.inference import compiled_step
+from k3.inference.compiled_step import decode_one_token
 from k3.model.cache import PAGE_TOKENS, K3Cache, KDACache, MLACache, step_context
 from k3.model import K3ForCausalLM
 from k3.model.mla import GatedMLA
-from conformance import ids_for
+from conformance import ids_for, set_runtime
 from routing import K3_TINY_TOL_AFTER, K3_TINY_WINDOW, assert_close_except_flips, record_routing, routing_diff
 
 pytestmark = pytest.mark.usefixtures("no_grad")
@@ -130,10 +131,10 @@ def test_cache_copy_continues_like_the_original(tiny_model):
 
 # ------------------------------------------------------------------------------ which path runs when
 def test_which_kda_and_mla_paths_run(tiny_model, monkeypatch):
-    """Cached 1-token calls: recurrent KDA; longer: chunk. Cached calls up to `absorbed_max_tokens` (70 at the
-    §12.2 dims): absorbed MLA (or expanded, by mla_decode); longer cached calls and uncached calls: expanded.
-    A cached one-token fp32 call runs each layer as one compiled call (`k3.model.fused_layer`, recorded as
-    "layer") where it implements the layer's form, else the paths above."""
+    """One-token KDA calls: recurrent; longer: chunk. Cached calls up to `absorbed_max_tokens` (70 at the §12.2 dims):
+    absorbed MLA (expanded where the layer's `absorbed_max_tokens` is 0); longer cached calls and uncached calls:
+    expanded. `decode_one_token` runs each layer as one compiled call (recorded as "layer") where it implements the
+    layer's form, else the paths above."""
     calls: list[tuple[str, int]] = []
 
     def spy(name, fn, t_axis):
@@ -142,18 +143,12 @@ def test_which_kda_and_mla_paths_run(tiny_model, monkeypatch):
             return fn(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(kda_module, "recurrent_kda", spy("recurrent", kda_module.recurrent_kda, 0))
-    monkeypatch.setattr(kda_module, "chunk_kda", spy("chunk", kda_module.chunk_kda, 0))
-    fused = kda_module.KimiDeltaAttention.fused_step  # the recurrent step as one compiled call (fp32 CPU)
-    monkeypatch.setattr(kda_module.KimiDeltaAttention, "fused_step",
-                        lambda self, x_BTD, cache: (calls.append(("recurrent", 1)), fused(self, x_BTD, cache))[1])
+    monkeypatch.setattr(kda_core, "recurrent_kda", spy("recurrent", kda_core.recurrent_kda, 0))
+    monkeypatch.setattr(kda_core, "chunk_kda", spy("chunk", kda_core.chunk_kda, 0))
     absorbed, expanded = GatedMLA.attend_absorbed, GatedMLA.attend_expanded
-    fused_mla = GatedMLA.fused_step  # the absorbed one-token step as one compiled call (fp32 CPU)
-    monkeypatch.setattr(GatedMLA, "fused_step", lambda self, x_BTD, cache, start: (
-        calls.append(("absorbed", 1)), fused_mla(self, x_BTD, cache, start))[1])
     monkeypatch.setattr(GatedMLA, "attend_absorbed", spy("absorbed", absorbed, 1))
     monkeypatch.setattr(GatedMLA, "attend_expanded", spy("expanded", expanded, 1))
-    run_layer = fused_layer._run  # the compiled step of one layer, from the stack's step or the layer's own
+    run_layer = compiled_step._run  # the compiled step of one layer
 
     def layer_spy(*args):
         out = run_layer(*args)
@@ -161,7 +156,7 @@ def test_which_kda_and_mla_paths_run(tiny_model, monkeypatch):
             calls.append(("layer", 1))
         return out
 
-    monkeypatch.setattr(fused_layer, "_run", layer_spy)
+    monkeypatch.setattr(compiled_step, "_run", layer_spy)
     model = tiny_model(seed=6)
     n_kda, n_mla = len(kda_layers(model)), len(mla_layers(model))
     assert model.model.layers[mla_layers(model)[0]].self_attn.absorbed_max_tokens == 20 * (16 + 12) // (2 * 4)
@@ -175,20 +170,18 @@ def test_which_kda_and_mla_paths_run(tiny_model, monkeypatch):
 
     model(ids[:, :8], cache=cache)
     assert kinds() == [("absorbed", 8), ("chunk", 8)]
-    model(ids[:, 8:9], cache=cache)
+    decode_one_token(model, ids[:, 8:9], cache=copy.deepcopy(cache))
     assert kinds() == [("layer", 1)]
-    monkeypatch.setattr(fused_layer, "_run", lambda *args: None)  # each module's own one-token path
-    model(ids[:, 8:9], cache=copy.deepcopy(cache))
+    model(ids[:, 8:9], cache=cache)  # the modules
     assert kinds() == [("absorbed", 1), ("recurrent", 1)]
-    monkeypatch.setattr(fused_layer, "_run", layer_spy)
     model(ids[:, 9:], cache=cache)  # 71 tokens: past the crossover
     assert kinds() == [("chunk", 71), ("expanded", 71)]
-    model(ids[:, :1])  # no cache: a one-token forward is a (trivial) prefill
-    assert kinds() == [("chunk", 1), ("expanded", 1)]
+    model(ids[:, :1])  # no cache: a one-token forward
+    assert kinds() == [("expanded", 1), ("recurrent", 1)]
 
-    model.config.mla_decode = "expanded"
+    set_runtime(model, mla_decode="expanded")
     cache = model.make_cache(2)
-    model(ids[:, :1], cache=cache)  # a one-token *prompt* is a decode step too
+    decode_one_token(model, ids[:, :1], cache)  # a one-token *prompt* is a decode step too
     assert len(calls) == n_kda + n_mla
     assert kinds() == [("expanded", 1), ("layer", 1)]  # the compiled layer step is absorbed MLA only
 

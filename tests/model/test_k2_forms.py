@@ -15,7 +15,7 @@ from k3.model.mla import GatedMLA
 from k3.model.moe import StableLatentMoE
 from k3.ops.norm import RMSNorm
 from k3.optim import make_optimizers
-from conformance import build_tiny_config, ids_for, randomize_parameters
+from conformance import build_tiny_config, ids_for, randomize_parameters, set_runtime
 
 
 def k2_config(innovations=K2_ARCHITECTURE, **overrides) -> K3Config:
@@ -153,7 +153,7 @@ def test_swiglu_replaces_situ_glu_in_every_gated_mlp():
 @torch.no_grad()
 def test_k2_model_prefill_then_decode_equals_full_forward(mla_decode):
     """With RoPE the cache holds rotated keys: prefill + one-token steps give the full forward's logits."""
-    model = k2_model(4, mla_decode=mla_decode)
+    model = set_runtime(k2_model(4), mla_decode=mla_decode)
     ids = ids_for(256, 2, 11, 4)
     full = model(ids).logits
     cache = model.make_cache(2, capacity=4)  # grown on demand

@@ -9,17 +9,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.model.cache import KDACache
-from k3.model.kda import KimiDeltaAttention, kda_decay, short_conv
-from k3.ops import compiled, decode
+from k3.model.kda import KimiDeltaAttention, kda_decay
+from k3.ops.kda.conv import short_conv
+
 
 H, K, D = 3, 16, 64  # §12.2: 3 KDA heads × 16, hidden 64
 
 
-def make_kda(config, seed: int = 0) -> KimiDeltaAttention:
+def make_kda(config, seed: int = 0, impl: str = "auto") -> KimiDeltaAttention:
     """A KDA layer with N(0, 0.15²) projections, default conv init, random dt_bias / A_log / o_norm gain."""
     torch.manual_seed(seed)
-    layer = KimiDeltaAttention(config)
+    layer = KimiDeltaAttention(config, impl)
     with torch.no_grad():
         for name, module in layer.named_modules():
             if isinstance(module, torch.nn.Linear):
@@ -169,13 +169,13 @@ def test_layer_matches_spec_dataflow(tiny_config, scale):
 
 
 def test_recurrent_and_chunk_impls_agree(tiny_config):
-    """kda_impl 'recurrent' and 'chunk' give the same layer output (≤ 1e-5), over a chunk boundary (T = 70)."""
-    chunk = make_kda(tiny_config(kda_impl="chunk"), seed=5)
-    rec = make_kda(tiny_config(kda_impl="recurrent"), seed=6)
+    """KDA impls 'recurrent' and 'chunk' give the same layer output (≤ 1e-5), over a chunk boundary (T = 70)."""
+    chunk = make_kda(tiny_config(), seed=5, impl="chunk")
+    rec = make_kda(tiny_config(), seed=6, impl="recurrent")
     rec.load_state_dict(chunk.state_dict())
     x = torch.randn(2, 70, D, generator=torch.Generator().manual_seed(7))
     torch.testing.assert_close(chunk(x), rec(x), rtol=1e-5, atol=1e-5)
-    small = make_kda(tiny_config(kda_impl="chunk", kda_chunk_size=16), seed=6)
+    small = make_kda(tiny_config(kda_chunk_size=16), seed=6, impl="chunk")
     small.load_state_dict(chunk.state_dict())
     torch.testing.assert_close(small(x), rec(x), rtol=1e-5, atol=1e-5)
 
@@ -227,38 +227,3 @@ def test_bf16_layer_keeps_fp32_params_and_runs(tiny_config):
     assert layer.A_log.dtype == torch.float32 and layer.o_norm.weight.dtype == torch.float32
     layer.double()  # a float64 cast is allowed
     assert layer.A_log.dtype == torch.float64 and layer.q_proj.weight.dtype == torch.float64
-
-
-@pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_fused_decode_step_matches_the_torch_ops(tiny_config, monkeypatch, lower_bound):
-    """Cached one-token fp32 steps run as one compiled call after the projections (`k3.ops.decode.kda_step`) and
-    equal the torch ops' steps — outputs, conv windows, recurrent states — after a chunked prefill, B = 2, for
-    the bounded and the softplus gate; and the §3.2 dataflow in float64."""
-    if compiled.build("decode")[0] is None:
-        pytest.skip("the compiled decode kernel could not be built here")
-    layer = make_kda(tiny_config(gate_lower_bound=lower_bound), seed=12)
-    x = torch.randn(2, 9, D, generator=torch.Generator().manual_seed(13))
-    fused_calls = []
-    step = decode.kda_step
-    monkeypatch.setattr(decode, "kda_step", lambda *args: (fused_calls.append(1), step(*args))[1])
-
-    def run():
-        W = layer.config.short_conv_kernel_size
-        cache = KDACache(torch.zeros(2, 3, W - 1, H * K), torch.zeros(2, H, K, K))
-        with torch.no_grad():
-            y = torch.cat([layer(x[:, :5], cache)] + [layer(x[:, t: t + 1], cache) for t in range(5, 9)], 1)
-        return y, cache
-
-    fused, fused_cache = run()
-    assert len(fused_calls) == 4
-    build = compiled.build  # the same projections (the matvec kernel) either way
-    monkeypatch.setattr(compiled, "build", lambda name: (None, "off") if name == "decode" else build(name))
-    with pytest.warns(UserWarning, match="unavailable"):
-        torch_ops, torch_cache = run()
-    assert len(fused_calls) == 4
-    torch.testing.assert_close(fused, torch_ops, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(fused_cache.conv_state_B3WP, torch_cache.conv_state_B3WP, rtol=0, atol=0)
-    torch.testing.assert_close(fused_cache.recurrent_state_BHKV, torch_cache.recurrent_state_BHKV, rtol=1e-5,
-                               atol=1e-6)
-    if lower_bound is not None:
-        torch.testing.assert_close(fused.double(), kda_layer_reference(layer, x), rtol=1e-5, atol=1e-5)

@@ -165,38 +165,3 @@ def test_bf16_runs_close_to_fp32(mla):
     assert y16.dtype == torch.bfloat16 and torch.isfinite(y16).all()
     cos = torch.nn.functional.cosine_similarity(y16.float().flatten(), y.flatten(), dim=0)
     assert cos > 0.999
-
-
-@pytest.mark.parametrize("gated", [True, False])
-def test_fused_decode_step_matches_the_torch_ops(tiny_config, monkeypatch, gated):
-    """Cached one-token fp32 steps run the absorbed attention and the output gate as one compiled call
-    (`k3.ops.decode.mla_step`): the same outputs and latent cache as the torch ops, B = 2, after a prefill."""
-    from k3.model.cache import MLACache, StepContext
-    from k3.ops import compiled, decode
-
-    if compiled.build("decode")[0] is None:
-        pytest.skip("the compiled decode kernel could not be built here")
-    layer = make_mla(tiny_config(mla_use_output_gate=gated), seed=5)
-    cfg = layer.config
-    x = torch.randn(2, 8, cfg.hidden_size, generator=torch.Generator().manual_seed(6))
-    calls = []
-    fused_op = decode.mla_step
-    monkeypatch.setattr(decode, "mla_step", lambda *args: (calls.append(1), fused_op(*args))[1])
-
-    def run():
-        cache = MLACache(torch.zeros(2, 16, cfg.kv_lora_rank + cfg.qk_rope_head_dim))
-        with torch.no_grad():
-            ys = [layer(x[:, :5], cache, StepContext())]
-            for t in range(5, 8):
-                ys.append(layer(x[:, t: t + 1], cache, StepContext(start=t)))
-        return torch.cat(ys, 1), cache.latent_BSL
-
-    fused, fused_latent = run()
-    assert len(calls) == 3
-    build = compiled.build
-    monkeypatch.setattr(compiled, "build", lambda name: (None, "off") if name == "decode" else build(name))
-    with pytest.warns(UserWarning, match="unavailable"):
-        torch_ops, torch_latent = run()
-    torch.testing.assert_close(fused, torch_ops, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(fused_latent, torch_latent, rtol=1e-6, atol=1e-7)  # ĉ: the fused RMSNorm
-    torch.testing.assert_close(fused.double(), mla_reference(layer, x, gate=gated), rtol=1e-5, atol=1e-5)

@@ -15,10 +15,11 @@ from routing import TIE_TOL, top_k_margin
 D, E, K, L, M = 64, 8, 2, 48, 20  # §12.2: hidden, experts, top-k, latent, expert width
 
 
-def make_moe(config, seed: int = 0, bias_std: float = 0.1) -> StableLatentMoE:
-    """A MoE layer with N(0, 0.15²) weights, random latent-norm gain and router bias (§12.2)."""
+def make_moe(config, seed: int = 0, bias_std: float = 0.1, impl: str = "grouped") -> StableLatentMoE:
+    """A MoE layer with N(0, 0.15²) weights, random latent-norm gain and router bias (§12.2); routed experts `impl`."""
     torch.manual_seed(seed)
     moe = spread_weights_(StableLatentMoE(config))
+    moe.experts.impl = impl
     with torch.no_grad():
         moe.gate.e_score_correction_bias.copy_(bias_std * torch.randn(config.num_experts))
     return moe
@@ -174,7 +175,7 @@ def test_moe_matches_token_by_token_reference(tiny_config):
 @pytest.mark.parametrize("impl", ["grouped", "loop"])
 def test_both_expert_paths_match_reference(tiny_config, impl):
     """Grouped and loop expert paths each equal the hand-written per-token, per-expert reference (§6.7)."""
-    moe = make_moe(tiny_config(moe_impl=impl), seed=4)
+    moe = make_moe(tiny_config(), seed=4, impl=impl)
     x = tokens(45, 7)
     assert top_k_margin(moe.gate, x).min() > TIE_TOL  # no near tie: the fp32 and float64 top-k cannot differ
     torch.testing.assert_close(moe(x[None]).squeeze(0).double(), moe_reference(moe, x)[2], rtol=1e-5, atol=1e-5)
@@ -182,10 +183,10 @@ def test_both_expert_paths_match_reference(tiny_config, impl):
 
 def test_grouped_equals_loop_with_unbalanced_routing(tiny_config):
     """Grouped and looped experts agree to 1e-6 in fp32 with skewed routing and unused experts (§6.7)."""
-    grouped = make_moe(tiny_config(moe_impl="grouped"), seed=5)
+    grouped = make_moe(tiny_config(), seed=5, impl="grouped")
     with torch.no_grad():
         grouped.gate.e_score_correction_bias.copy_(torch.tensor([2.0, 0.1, 0, 0.3, -0.2, 0, -10, -10]))
-    loop = make_moe(tiny_config(moe_impl="loop"), seed=6)
+    loop = make_moe(tiny_config(), seed=6, impl="loop")
     loop.load_state_dict(grouped.state_dict())  # routing cannot differ: equal gates on bit-identical inputs
     x = tokens(2 * 37, 8)
     idx, _ = grouped.gate(x)
@@ -245,48 +246,14 @@ def test_gradients_reach_experts_router_and_latent_projections(tiny_config):
     assert moe.gate.e_score_correction_bias.grad is None
 
 
-@pytest.mark.parametrize("form", ["k3", "silu", "uncapped", "no renormalisation"])
-def test_fused_decode_routing_matches_the_torch_ops(tiny_config, monkeypatch, form):
-    """A few no-grad fp32 tokens run the router and routed experts as one compiled call (`k3.ops.decode.moe_routed`)
-    and equal the gate-then-experts torch ops and the float64 reference: SiTU-GLU (capped and uncapped up
-    branch), SwiGLU, with and without renormalisation; a forward hook on the gate keeps the modules running."""
-    from k3.ops import compiled, decode
-
-    if compiled.build("decode")[0] is None:
-        pytest.skip("the compiled decode kernel could not be built here")
-    overrides = {"silu": {"hidden_act": "silu"}, "uncapped": {"activation_situ_linear_beta": None},
-                 "no renormalisation": {"moe_renormalize": False}}.get(form, {})
-    moe = make_moe(tiny_config(**overrides), seed=3, bias_std=0.3)
-    x = tokens(3, 4)[:, None]  # [B = 3, T = 1, D]
-    calls = []
-    fused_op = decode.moe_routed
-    monkeypatch.setattr(decode, "moe_routed", lambda *args: (calls.append(1), fused_op(*args))[1])
-    with torch.no_grad():
-        fused = moe(x)
-        assert len(calls) == 1
-        build = compiled.build
-        monkeypatch.setattr(compiled, "build", lambda name: (None, "off") if name == "decode" else build(name))
-        with pytest.warns(UserWarning, match="unavailable"):
-            torch_ops = moe(x)
-    torch.testing.assert_close(fused, torch_ops, rtol=1e-5, atol=1e-6)
-    if form == "k3":
-        torch.testing.assert_close(fused[:, 0].double(), moe_reference(moe, x[:, 0])[2], rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(compiled, "build", build)
-    seen = []
-    moe.gate.register_forward_hook(lambda *args: seen.append(1))
-    calls.clear()
-    with torch.no_grad():
-        torch.testing.assert_close(moe(x), fused, rtol=1e-5, atol=1e-6)
-    assert seen == [1] and calls == []  # the hooked gate ran as a module
-
-
 @pytest.mark.parametrize("impl", ["grouped", "loop"])
 @pytest.mark.parametrize("tokens_", [3, 45])  # few rows an expert (the in-register kernel), many (decoded tiles)
 def test_packed_experts_equal_their_decoded_weights(tiny_config, impl, tokens_):
     """A layer with MXFP4 experts computes what the same layer with the decoded dense weights computes (§11.5)."""
-    config = tiny_config(moe_impl=impl, routed_expert_hidden_size=64, moe_intermediate_size=32)
+    config = tiny_config(routed_expert_hidden_size=64, moe_intermediate_size=32)
     packed_moe = StableLatentMoE(with_experts_format(config, "mxfp4"))
-    dense_moe = make_moe(config, seed=11)
+    packed_moe.experts.impl = impl
+    dense_moe = make_moe(config, seed=11, impl=impl)
     prefix = "model.layers.1.block_sparse_moe."  # convert_experts reads the model's names
     state = convert_experts({prefix + k: v for k, v in dense_moe.state_dict().items()}, "mxfp4")
     packed_moe.load_state_dict({k.removeprefix(prefix): v for k, v in state.items()})

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.model.kda import short_conv
+from k3.ops.kda.conv import short_conv
 
 LENGTHS = [[30, 1, 39], [70]]  # a one-token document, boundaries off the 64-chunk grid
 

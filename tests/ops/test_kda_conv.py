@@ -1,13 +1,12 @@
 """`k3.ops.kda.conv`: KDA's short convolution + SiLU of many tokens on the compiled kernel (forward and backward)
-against the shifted products in torch ops (`k3.model.kda.short_conv`'s reference) and float64 (§3.2, §3.8)."""
+against the shifted products in torch ops (`short_conv`'s reference) and float64 (§3.2, §3.8)."""
 
 import pytest
 import torch
 
-import k3.model.kda as kda_module
-from k3.model.kda import short_conv
 from k3.ops import compiled
 from k3.ops.kda import conv
+from k3.ops.kda.conv import short_conv
 
 pytestmark = pytest.mark.skipif(compiled.build("kda")[0] is None,
                                 reason="the compiled kda kernel could not be built here")
@@ -21,7 +20,7 @@ def run(x, w, context, documents, dy, reference, monkeypatch):
     """short_conv's output and the gradients of Σ output · dy for x, w and the context."""
     with monkeypatch.context() as patch:
         if reference:
-            patch.setattr(kda_module, "compiled_short_conv", lambda *args: None)
+            patch.setattr(conv, "compiled_short_conv", lambda *args: None)
         leaves = [t.detach().clone().requires_grad_() for t in (x, w, context)]
         y, new_context = short_conv(*leaves, documents)
         y.backward(dy.to(y.dtype))
@@ -58,7 +57,7 @@ def test_without_grad_and_other_dtypes(monkeypatch):
     doc = torch.tensor([[0] * 4 + [1] * 5, [2] * 9])
     with torch.no_grad():
         y, _ = short_conv(x, w, None, doc)
-    monkeypatch.setattr(kda_module, "compiled_short_conv", lambda *args: None)
+    monkeypatch.setattr(conv, "compiled_short_conv", lambda *args: None)
     with torch.no_grad():
         torch.testing.assert_close(y, short_conv(x, w, None, doc)[0])
     assert conv.compiled_short_conv(x.double(), w[:, 0].double(), doc) is None

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import k3.model.kda as kda_module
+import k3.ops.kda.core as kda_core
 import k3.ops.kda.gpu as gpu
 from k3.model.cache import K3Cache
 from k3.ops.kda import chunk_kda, recurrent_kda
@@ -77,7 +77,7 @@ def test_state_in_and_out_and_the_one_token_kernel(stand_in):
 def test_backend_choice():
     cpu = torch.device("cpu")
     assert not any(gpu.use_fla(impl, cpu) for impl in ("auto", "chunk", "recurrent"))
-    with pytest.raises(ValueError, match="kda_impl 'fla' .* need a CUDA device; use kda_impl 'auto'"):
+    with pytest.raises(ValueError, match="KDA impl 'fla' .* need a CUDA device; use impl 'auto'"):
         gpu.use_fla("fla", cpu)
 
 
@@ -94,7 +94,7 @@ def test_model_through_the_fast_path_equals_the_torch_path(stand_in, monkeypatch
     packed rows, and a cached prefill followed by one decode step."""
     reference = tiny_model(seed=3, kda_impl="chunk").double()
     fast = tiny_model(seed=3, kda_impl="auto").double()
-    monkeypatch.setattr(kda_module, "use_fla", lambda impl, device: impl == "auto")
+    monkeypatch.setattr(kda_core, "use_fla", lambda impl, device: impl == "auto")
     ids = torch.randint(0, reference.config.vocab_size, (3, 37), generator=torch.Generator().manual_seed(0))
     packed = dict(input_ids=ids, document_ids=documents(LENGTHS[:3]))
     torch.testing.assert_close(fast(**packed).logits, reference(**packed).logits, rtol=1e-5, atol=1e-5)

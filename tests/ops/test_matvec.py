@@ -102,18 +102,15 @@ def test_bf16_weights_give_the_fp32_products_of_their_values(rows, width):
 
 @pytest.mark.parametrize("shape", [(1, 1, 37), (2, 1, 200), (3, 200), (4, 1000)])
 def test_bf16_calls_take_the_kernel_and_round_once(shape):
-    """A bf16 model's calls (input and weight bf16): the kernel serves `linear`, `project` and the few-row
+    """A bf16 model's calls (input and weight bf16): the kernel serves `linear` and the few-row
     `grouped_mm`, and each output is bf16 — `F.linear`'s dtype — and the fp32 product of the bf16 values rounded
     once (`F.linear` rounds the same sum)."""
     kernel = compiled.load("matvec")
     x, w = randn(*shape, dtype=torch.bfloat16), randn(301, shape[-1], seed=1, dtype=torch.bfloat16)
-    layers = [matvec.Linear(shape[-1], out).to(torch.bfloat16) for out in (45, 7)]
     with torch.no_grad():
         y = matvec.linear(x, w)
         assert y.shape == (*shape[:-1], 301) and torch.equal(y, kernel.linear(x.float(), w).to(torch.bfloat16))
         assert_rounded_once(y, F.linear(x.float(), w.float()))
-        for out, layer in zip(matvec.project(x, *layers), layers):
-            assert torch.equal(out, kernel.linear(x.float(), layer.weight).to(torch.bfloat16))
         rows = x.reshape(-1, shape[-1])
         counts = torch.tensor([rows.shape[0] - 1, 0, 1])
         experts = randn(3, 29, shape[-1], seed=2, dtype=torch.bfloat16)  # [E, out, in], used transposed
@@ -156,30 +153,3 @@ def test_grouped_mm_with_few_rows_takes_the_kernel(monkeypatch, counts):
 def test_counts_that_do_not_add_up_are_refused():
     with torch.no_grad(), pytest.raises(RuntimeError, match="the counts do not add up to the rows"):
         matvec.expert_linear(randn(4, 20), randn(6, 30, 20), torch.tensor([1, 0, 2, 0, 0, 2]))
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_project_is_each_layer_in_one_pass_unless_hooked(threads):
-    """`project` equals calling each layer (different output widths, one input; with two threads the rows split
-    inside the third weight); with a forward hook on any layer, or with grad, every layer is called as a module."""
-    layers = [matvec.Linear(64, out) for out in (300, 7, 450)]
-    with torch.no_grad():
-        for i, layer in enumerate(layers):
-            layer.weight.copy_(randn(*layer.weight.shape, seed=i))
-    x = randn(2, 1, 64, seed=9)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.no_grad():
-            outputs = matvec.project(x, *layers)
-    finally:
-        torch.set_num_threads(previous)
-    with torch.no_grad():
-        for y, layer in zip(outputs, layers):
-            assert y.shape == (2, 1, layer.out_features)
-            torch.testing.assert_close(y, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
-        seen = []
-        layers[1].register_forward_hook(lambda module, args, out: seen.append(out))
-        hooked = matvec.project(x, *layers)
-    assert len(seen) == 1 and seen[0] is hooked[1]
-    assert matvec.project(x, *layers)[0].requires_grad  # grad on: the modules themselves

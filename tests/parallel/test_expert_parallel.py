@@ -178,12 +178,14 @@ def ep_rank(rank, world_size):
 
 
 def loop_impl(rows, mesh):
-    """`moe_impl="loop"` on the owner; `expert(e, z)` for owned / foreign experts; the cumulative counters."""
+    """Loop experts (`impl="loop"`) on the owner; `expert(e, z)` for owned / foreign experts; the cumulative counters."""
     from k3.parallel.expert import (AllToAllBytes, apply_expert_parallel, expert_parallel_bytes,
                                     reset_expert_parallel_bytes)
 
-    plain = build(moe_impl="loop").model.layers[1].block_sparse_moe.experts
-    model = apply_expert_parallel(build(moe_impl="loop"), mesh)
+    from conformance import set_runtime
+
+    plain = set_runtime(build(), moe_impl="loop").model.layers[1].block_sparse_moe.experts
+    model = apply_expert_parallel(set_runtime(build(), moe_impl="loop"), mesh)
     out = {"logits": rank_loss(model, rows), "expert_grads": split_grads(model)[0]}
     once = expert_parallel_bytes(model)
     assert expert_parallel_bytes(model, cumulative=True) == once
@@ -394,7 +396,7 @@ def test_composes_with_fsdp2(reference, ranks):
 
 
 def test_loop_impl_expert_accessor_and_counters(reference, ranks):
-    """`moe_impl="loop"` dispatches to the same result; `expert(e, z)` is the model's expert math for owned
+    """Loop experts (`impl="loop"`) dispatch to the same result; `expert(e, z)` is the model's expert math for owned
     experts and refuses foreign ones; cumulative bytes add up over forwards and reset to zero."""
     E = config().num_experts
     for rank, res in enumerate(ranks(2)):

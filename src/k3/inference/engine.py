@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3.inference.compiled_step import decode_one_token
 from k3.inference.generate import _check_sampling_args, sample_next_token
 from k3.inference.prefix_cache import PrefixCache
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
@@ -371,7 +372,7 @@ class Engine:
     def _decode_step(self) -> None:
         """One token for every running sequence, in one model call."""
         ids_B1 = torch.tensor([[seq.output_ids[-1]] for seq in self._running])
-        logits_BV = self.model(ids_B1, cache=self._batch, validate=False).logits[:, -1, :self.vocab_size]
+        logits_BV = decode_one_token(self.model, ids_B1, self._batch)[:, -1, :self.vocab_size]
         self._stats.decode_steps += 1
         self._stats.decode_rows += len(self._running)
         for seq, logits_V in zip(self._running, logits_BV):

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from k3.inference.compiled_step import decode_one_token
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 
 PREFILL_CHUNK = 2048
@@ -176,7 +177,7 @@ def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch
             if step == max_new_tokens - 1 or bool(finished_B.all()):
                 break
             # the cache keeps the prompt's padding mask; a new token is always real, so no mask is needed
-            logits_BO = model(next_B[:, None], cache=cache, validate=False).logits[:, -1]
+            logits_BO = decode_one_token(model, next_B[:, None], cache)[:, -1]
     if streamer is not None and hasattr(streamer, "put"):
         streamer.end()
     return torch.cat([input_ids.long(), *(t[:, None] for t in new_tokens)], dim=1)

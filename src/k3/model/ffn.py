@@ -8,7 +8,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.ops.activation import situ_glu
-from k3.ops.matvec import Linear, project
+from k3.ops.matvec import Linear
 
 
 def glu_activation(config: K3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -29,4 +29,4 @@ class SiTUMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu_activation(self.config, *project(x, self.gate_proj, self.up_proj)))
+        return self.down_proj(glu_activation(self.config, self.gate_proj(x), self.up_proj(x)))

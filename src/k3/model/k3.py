@@ -13,7 +13,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from k3.config import K3Config
-from k3.model import fused_layer
 from k3.model.attn_res import attn_res_mix
 from k3.model.cache import K3Cache, KDACache, MLACache, StepContext, step_context
 from k3.model.ffn import SiTUMLP
@@ -71,9 +70,6 @@ class K3DecoderLayer(nn.Module):
 
         Without Block AttnRes (K2's form, §14.3) `cur` is the residual stream x and `bank` stays empty:
         x ← x + attn(norm(x)), then x ← x + ffn(norm(x))."""
-        fused = fused_layer.layer_step(self, cur_BTD, bank, cache, ctx)  # one compiled call when decoding
-        if fused is not None:
-            return fused
         if not self.use_block_attn_res:
             x_BTD = cur_BTD + self.self_attn(self.input_layernorm(cur_BTD), cache, ctx)
             return x_BTD + self.ffn(self.post_attention_layernorm(x_BTD), ctx), bank
@@ -111,29 +107,40 @@ class K3Model(Observable, nn.Module):
         """Final hidden states [B, T, D] after `model.norm`, for the new tokens only when a cache is given.
         `inputs_embeds` [B, T, D] replaces the embedding lookup (media features merged in, §9.9)."""
         cur_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        ctx = self.context(cur_BTD, cache, attention_mask, document_ids)
+        return self.output(*self.run_layers(cur_BTD, cache, ctx))
+
+    def context(self, cur_BTD: torch.Tensor, cache: K3Cache | None, attention_mask: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> StepContext:
+        """The call's `StepContext` (checked against the cache; the training observers in training mode)."""
         B, T = cur_BTD.shape[:2]
-        ctx = self.sequence.place(step_context(cache, B, T, attention_mask, cur_BTD.device, document_ids), cache,
-                                  T)
+        ctx = self.sequence.place(step_context(cache, B, T, attention_mask, cur_BTD.device, document_ids), cache, T)
         if self.training:
             ctx.observers = tuple(self.observers)
-        # a one-token step: every layer one compiled call, checked once for the whole stack (from layer `done` on,
-        # the layers run themselves)
-        done, cur_BTD, bank = fused_layer.stack_step(self.layers, cur_BTD, cache, ctx)
+        return ctx
+
+    def run_layers(self, cur_BTD: torch.Tensor, cache: K3Cache | None,
+                   ctx: StepContext) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The decoder layers over the embeddings `cur`; the cache then holds the call's tokens. Returns the last
+        layer's (cur, bank)."""
         recompute = self.gradient_checkpointing and cache is None and torch.is_grad_enabled()
+        bank: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            if i < done:
-                continue
             if recompute:  # the recomputation in backward must not be observed a second time
                 cur_BTD, bank = checkpoint(layer, cur_BTD, bank, None, ctx, use_reentrant=False,
                                            context_fn=lambda: (contextlib.nullcontext(), ctx.muted()))
             else:
                 cur_BTD, bank = layer(cur_BTD, bank, None if cache is None else cache.layers[i], ctx)
         if cache is not None:
-            cache.length += T
-        if not self.config.use_block_attn_res:  # plain residual stream: the last layer's output
+            cache.length += cur_BTD.shape[1]
+        return cur_BTD, bank
+
+    def output(self, cur_BTD: torch.Tensor, bank: list[torch.Tensor]) -> torch.Tensor:
+        """The output AttnRes mix over the completed blocks and the last partial sum, then `norm` (K2's form: the
+        last layer's output, normed)."""
+        if not self.config.use_block_attn_res:
             return self.norm(cur_BTD)
-        out_BTD = attn_res_mix(bank + [cur_BTD], self.output_attn_res_norm, self.output_attn_res_proj)
-        return self.norm(out_BTD)
+        return self.norm(attn_res_mix(bank + [cur_BTD], self.output_attn_res_norm, self.output_attn_res_proj))
 
 
 class K3ForCausalLM(PretrainedMixin, nn.Module):

@@ -14,14 +14,11 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.cache import KDACache, StepContext
-from k3.ops import decode
+from k3.ops.kda import delta_rule
+from k3.ops.kda.conv import short_conv
+from k3.ops.matvec import Linear
 from k3.ops.norm import RMSNorm, l2_normalize, rms_normalize
 from k3.ops.precision import KeepFP32, fp32
-from k3.ops.kda import chunk_kda, recurrent_kda
-from k3.ops.kda.conv import compiled_short_conv
-from k3.ops.kda.gpu import fla_kda, use_fla
-from k3.ops.kda.varlen import chunk_kda_by_document, kda_by_document
-from k3.ops.matvec import Linear, project
 
 
 def kda_decay(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor,
@@ -38,49 +35,16 @@ def kda_decay(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Ten
     return lower_bound * torch.sigmoid(A_H11 * x_BTHK)
 
 
-def short_conv(x_BTP: torch.Tensor, weight_P1W: torch.Tensor, context_BWP: torch.Tensor | None = None,
-               document_ids_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal depthwise conv + SiLU in fp32, cast back (§3.2 step 2, §3.7); tap W−1 is the current token.
-
-    `context` holds the W−1 inputs before x (zeros for a fresh sequence). With `document_ids`, a tap never
-    reads an input of another document (packed rows, §3.8). Returns (output [B,T,P], the last W−1
-    inputs [B,W−1,P] = the context of the next call).
-
-    y_t = Σ_j w_j · x_{t−(W−1)+j}, computed the fastest way measured on CPU: one
-    token (decoding) as a product with its window, training (gradients or documents) by the compiled kernel
-    (`k3.ops.kda.conv`; where it does not serve, as W shifted products), a no-grad multi-token call (prefill) by
-    `conv1d`.
-    """
-    W = weight_P1W.shape[-1]
-    if context_BWP is None:
-        context_BWP = x_BTP.new_zeros(x_BTP.shape[0], W - 1, x_BTP.shape[2])
-    full_BTP = torch.cat([context_BWP.to(x_BTP.dtype), x_BTP], dim=1)
-    x_BTP_fp32 = fp32(full_BTP)
-    w_PW = weight_P1W[:, 0].to(x_BTP_fp32.dtype)
-    T = x_BTP.shape[1]
-    if T == 1 and document_ids_BT is None:
-        y_BTP = (x_BTP_fp32 * w_PW.t()).sum(1, keepdim=True)
-    elif document_ids_BT is not None or torch.is_grad_enabled():
-        fused_BTP = compiled_short_conv(x_BTP_fp32, w_PW, document_ids_BT)  # SiLU included, one pass each way
-        if fused_BTP is not None:
-            return fused_BTP.to(x_BTP.dtype), full_BTP[:, full_BTP.shape[1] - (W - 1):]
-        # the (zero) context belongs to no document
-        doc_BT = None if document_ids_BT is None else F.pad(document_ids_BT, (W - 1, 0), value=-1)
-        y_BTP = sum(w_PW[:, j] * x_BTP_fp32[:, j: j + T] * (1 if doc_BT is None else
-                                                            (doc_BT[:, j: j + T] == document_ids_BT)[..., None])
-                    for j in range(W))
-    else:
-        y_BTP = F.conv1d(x_BTP_fp32.transpose(1, 2), w_PW[:, None], groups=w_PW.shape[0]).transpose(1, 2)
-    return F.silu(y_BTP).to(x_BTP.dtype), full_BTP[:, full_BTP.shape[1] - (W - 1):]
-
-
 class KimiDeltaAttention(KeepFP32):
-    """One KDA layer (module `self_attn` of a KDA decoder layer); parameter names are the checkpoint's."""
+    """One KDA layer (module `self_attn` of a KDA decoder layer); parameter names are the checkpoint's.
 
+    `impl` picks the core's implementation (`k3.ops.kda.delta_rule`: "auto", "chunk", "recurrent", "fla"); a
+    runtime choice, not part of the model's configuration."""
 
-    def __init__(self, config: K3Config):
+    def __init__(self, config: K3Config, impl: str = "auto"):
         super().__init__()
         self.config = config
+        self.impl = impl
         D, H, K, W = config.hidden_size, config.kda_num_heads, config.kda_head_dim, config.short_conv_kernel_size
         P = H * K
         self.num_heads, self.head_dim = H, K
@@ -125,8 +89,7 @@ class KimiDeltaAttention(KeepFP32):
                 ctx: StepContext | None = None) -> torch.Tensor:
         """x is the `input_layernorm` output; returns the layer output [B, T, D] (§3.2).
 
-        With a cache, the conv windows and the recurrent state continue from it and are updated in place; a
-        one-token call uses the recurrent form, longer calls the chunked one (§3.7). With
+        With a cache, the conv windows and the recurrent state continue from it and are updated in place. With
         `ctx.document_ids_BT` (packed rows) the conv window and the state restart at every document. Padding tokens
         (`ctx.valid_BT` false) enter neither the conv windows (their inputs are zeroed, like the zero context
         of a fresh sequence) nor the state (identity steps: k = 0, g = 0, β = 0; §3.8).
@@ -134,12 +97,6 @@ class KimiDeltaAttention(KeepFP32):
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
         ctx = ctx or StepContext()
-        fla = use_fla(self.config.kda_impl, x_BTD.device)
-        if (T == 1 and cache is not None and ctx.valid_BT is None and not fla
-                and decode.serves(B, x_BTD, cache.conv_state_B3WP, cache.recurrent_state_BHKV, self.A_log,
-                                  self.dt_bias, self.o_norm.weight, self.q_conv1d.weight, self.k_conv1d.weight,
-                                  self.v_conv1d.weight)):
-            return self.o_proj(self.fused_step(x_BTD, cache))
         valid_BT1 = None if ctx.valid_BT is None else ctx.valid_BT[..., None]
         documents = ctx.document_ids_BT
         streams = []
@@ -166,7 +123,7 @@ class KimiDeltaAttention(KeepFP32):
         state = None if cache is None else cache.recurrent_state_BHKV
         # from the cached state (packed rows: every document from zero); a context-parallel shard continues from the
         # state the earlier shards leave
-        run = partial(self.delta_rule, fla=fla, documents=documents, one_step=T == 1 and cache is not None)
+        run = partial(delta_rule, document_ids_BT=documents, impl=self.impl, chunk_size=self.config.kda_chunk_size)
         o_BTHK, state = ctx.sequence.delta_rule(run, q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, state, cache is not None)
         if cache is not None:
             cache.recurrent_state_BHKV = state
@@ -174,37 +131,3 @@ class KimiDeltaAttention(KeepFP32):
         # gated norm, entirely fp32: RMSNorm_{o_norm}(o) ⊙ σ(z)
         o_BTHK = rms_normalize(o_BTHK, self.o_norm.eps) * self.o_norm.weight * torch.sigmoid(fp32(z_BTHK))
         return self.o_proj(o_BTHK.to(x_BTD.dtype).reshape(B, T, H * K))
-
-    def delta_rule(self, q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV, output_final_state, fla,
-                   documents, one_step):
-        """The KDA core (§3.4–§3.8) from `initial_state`: fla's kernels on the GPU (§3.11); packed rows with a reset
-        at every document (the row's first document continues from `initial_state` when given); the recurrent form
-        for a one-token step or `kda_impl = "recurrent"`, else the chunked one. Returns (o, final state or None)."""
-        state = dict(initial_state=initial_state_BHKV, output_final_state=output_final_state)
-        recurrent = self.config.kda_impl == "recurrent"
-        if fla:
-            return fla_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, **state, document_ids=documents)
-        if documents is not None and recurrent:  # the reference: every document a row of its own, from zero
-            if initial_state_BHKV is not None:
-                raise ValueError("packed rows continuing a state (context parallelism) need kda_impl 'chunk'")
-            return kda_by_document(recurrent_kda, q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, documents), None
-        if documents is not None:
-            out = chunk_kda_by_document(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, documents,
-                                        chunk_size=self.config.kda_chunk_size, **state)
-            return out if output_final_state else (out, None)
-        if recurrent or one_step:
-            return recurrent_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, **state)
-        return chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, **state, chunk_size=self.config.kda_chunk_size)
-
-    def fused_step(self, x_BTD: torch.Tensor, cache: KDACache) -> torch.Tensor:
-        """A one-token step (T = 1) with a cache as one compiled call after the projections
-        (`k3.ops.decode.kda_step`, the same steps as `forward`); returns the `o_proj` input [B, 1, H·K]."""
-        cache.recurrent_state_BHKV = cache.recurrent_state_BHKV.contiguous()  # updated in place
-        full_rank = self.config.use_full_rank_gate
-        q, k, v, f_a, b, g = project(x_BTD, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
-                                     self.g_proj if full_rank else self.g_a_proj)  # one pass over their weights
-        convs = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
-        o_BP = decode.kda_step(q, k, v, cache.conv_state_B3WP, convs, self.f_b_proj(f_a), self.A_log, self.dt_bias,
-                               self.config.gate_lower_bound, b, cache.recurrent_state_BHKV,
-                               g if full_rank else self.g_b_proj(g), self.o_norm.weight, self.o_norm.eps)
-        return o_BP[:, None]

@@ -10,13 +10,22 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.cache import MLACache, StepContext
-from k3.ops import decode
 from k3.ops.attention import attention
+from k3.ops.matvec import Linear
 from k3.ops.norm import RMSNorm
 from k3.ops.rope import apply_rope, rope_angles
-from k3.ops.matvec import Linear, project
 
 MLA_LORA_NORM_EPS = 1e-6  # §0.5: class default of the reference RMSNorm; the config's eps is not passed
+
+
+def absorbed_max_tokens(config: K3Config) -> int:
+    """Longest cached call that is cheaper in the absorbed form. Per (query, key) pair the absorbed form attends over
+    C + R latent numbers instead of N + R (×2 for scores and values); the expanded form pays kv_b_proj, C·(N + Vh)
+    per head, for every cached key. Absorbed wins while T·2(C − N) < C·(N + Vh)."""
+    C, N = config.kv_lora_rank, config.qk_nope_head_dim
+    if C <= N:
+        return 2**62  # never more work per pair
+    return max(1, C * (N + config.v_head_dim) // (2 * (C - N)))
 
 
 class GatedMLA(nn.Module):
@@ -41,22 +50,22 @@ class GatedMLA(nn.Module):
             self.g_proj = Linear(D, H * Vh)
         self.o_proj = Linear(H * Vh, D)
         self.scale = (N + R) ** -0.5  # 1/sqrt(qk_nope + qk_rope), in every form
+        # cached calls of at most this many new tokens take the absorbed form (0: never; a runtime choice)
+        self.absorbed_max_tokens = absorbed_max_tokens(config)
 
-    def project_query(self, x_BTD: torch.Tensor, start: int = 0,
-                      q_a_BTq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_query(self, x_BTD: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_nope [B,T,H,N], q_pe [B,T,H,R]) from c_q = RMSNorm_{1e-6}(x W_qaᵀ) (steps 1–2); q_pe rotated to
-        the positions start.. in the RoPE form. `q_a_BTq`: x W_qaᵀ where the caller has it already."""
+        the positions start.. in the RoPE form."""
         B, T, _ = x_BTD.shape
         cfg = self.config
-        q_a_BTq = self.q_a_proj(x_BTD) if q_a_BTq is None else q_a_BTq
-        q_BTHQ = self.q_b_proj(self.q_a_layernorm(q_a_BTq)).view(B, T, self.num_heads, -1)
+        q_BTHQ = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))).view(B, T, self.num_heads, -1)
         q_nope_BTHK, q_pe_BTHR = q_BTHQ.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         return q_nope_BTHK, self._rotate(q_pe_BTHR, start)
 
-    def compress_kv(self, x_BTD: torch.Tensor, start: int = 0, kv_a_BTL: torch.Tensor | None = None) -> torch.Tensor:
+    def compress_kv(self, x_BTD: torch.Tensor, start: int = 0) -> torch.Tensor:
         """The 576-number latent per token: [ĉ = RMSNorm_{1e-6}(c) ‖ raw k_pe] (steps 3–4, §4.3); k_pe rotated
-        to the positions start.. in the RoPE form. `kv_a_BTL`: x W_kvaᵀ where the caller has it already."""
-        kv_a_BTL = self.kv_a_proj_with_mqa(x_BTD) if kv_a_BTL is None else kv_a_BTL
+        to the positions start.. in the RoPE form."""
+        kv_a_BTL = self.kv_a_proj_with_mqa(x_BTD)
         c_BTc, k_pe_BTR = kv_a_BTL.split([self.config.kv_lora_rank, self.config.qk_rope_head_dim], dim=-1)
         return torch.cat([self.kv_a_layernorm(c_BTc), self._rotate(k_pe_BTR, start)], dim=-1)
 
@@ -79,16 +88,13 @@ class GatedMLA(nn.Module):
         """Causal attention of the new tokens over the cached and new ones; x is the `input_layernorm` output.
 
         Only the latent [ĉ ‖ k_pe] is cached. Cached calls of at most `absorbed_max_tokens` new tokens (decode
-        steps, short chunks) use the absorbed form (§4.4) unless `mla_decode = "expanded"`; training and
-        longer prefill chunks use the expanded form (§4.2).
+        steps, short chunks) use the absorbed form (§4.4); training and longer prefill chunks the expanded form
+        (§4.2).
         """
         ctx = ctx or StepContext()
         for observer in ctx.observers:  # QK-Clip's max logits (§8.6)
             observer.on_attention(self, x_BTD.detach(), ctx.document_ids_BT)
         T = x_BTD.shape[1]
-        if (cache is not None and T == 1 and ctx.key_valid_BS is None and self.config.mla_decode == "absorbed"
-                and decode.serves(x_BTD.shape[0], x_BTD, cache.latent_BSL, self.kv_b_proj.weight)):
-            return self.fused_step(x_BTD, cache, ctx.start)
         latent_BSL = self.compress_kv(x_BTD, ctx.start)
         if cache is not None:
             cache.latent_BSL[:, ctx.start: ctx.start + T] = latent_BSL
@@ -96,33 +102,10 @@ class GatedMLA(nn.Module):
         # a context-parallel shard: with the earlier shards' latents (and their documents)
         latent_BSL, document_ids_BS = ctx.sequence.keys(latent_BSL, ctx.document_ids_BT)
         q_nope_BTHK, q_pe_BTHR = self.project_query(x_BTD, ctx.start)
-        absorbed = cache is not None and self.config.mla_decode == "absorbed" and T <= self.absorbed_max_tokens
+        absorbed = cache is not None and T <= self.absorbed_max_tokens
         attend = self.attend_absorbed if absorbed else self.attend_expanded
         o_BTHV = attend(q_nope_BTHK, q_pe_BTHR, latent_BSL, ctx.key_valid_BS, document_ids_BS)
         return self.gate_and_project(x_BTD, o_BTHV)
-
-    def fused_step(self, x_BTD: torch.Tensor, cache: MLACache, start: int) -> torch.Tensor:
-        """A one-token step (T = 1, no padding) with a cache: the latent written at `start`, then the absorbed
-        attention and the output gate as one compiled call (`k3.ops.decode.mla_step`), then `o_proj`."""
-        cfg = self.config
-        gate = [self.g_proj] if cfg.mla_use_output_gate else []
-        q_a_BTq, kv_a_BTL, *gate_BTP = project(x_BTD, self.q_a_proj, self.kv_a_proj_with_mqa, *gate)  # one pass
-        cache.latent_BSL[:, start: start + 1] = self.compress_kv(x_BTD, start, kv_a_BTL)
-        q_BTHQ = torch.cat(self.project_query(x_BTD, start, q_a_BTq), dim=-1)
-        o_BP = decode.mla_step(q_BTHQ, cache.latent_BSL, start + 1, self.kv_b_proj.weight, cfg.qk_nope_head_dim,
-                               cfg.v_head_dim, gate_BTP[0] if gate_BTP else None, self.scale)
-        return self.o_proj(o_BP[:, None])
-
-    @property
-    def absorbed_max_tokens(self) -> int:
-        """Longest cached call that is cheaper in the absorbed form. Per (query, key) pair the absorbed form
-        attends over C + R latent numbers instead of N + R (×2 for scores and values); the expanded form pays
-        kv_b_proj, C·(N + Vh) per head, for every cached key. Absorbed wins while T·2(C − N) < C·(N + Vh)."""
-        cfg = self.config
-        C, N = cfg.kv_lora_rank, cfg.qk_nope_head_dim
-        if C <= N:
-            return 2**62  # never more work per pair
-        return max(1, C * (N + cfg.v_head_dim) // (2 * (C - N)))
 
     def attend_expanded(self, q_nope_BTHK: torch.Tensor, q_pe_BTHR: torch.Tensor, latent_BSL: torch.Tensor,
                         key_valid_BS: torch.Tensor | None = None,

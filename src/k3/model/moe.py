@@ -10,15 +10,14 @@ import functools
 import torch
 from torch import nn
 
+from k3.checkpoint.quantization import experts_format
 from k3.config import K3Config
 from k3.model.cache import StepContext
-from k3.checkpoint.quantization import experts_format
 from k3.model.ffn import SiTUMLP, glu_activation
-from k3.ops import compiled, decode
 from k3.ops.experts import dense_expert, expert_ffn, expert_weight
+from k3.ops.matvec import Linear
 from k3.ops.norm import RMSNorm
 from k3.ops.precision import KeepFP32, fp32, without_autocast
-from k3.ops.matvec import Linear
 
 
 class MoEGate(KeepFP32):
@@ -72,11 +71,17 @@ class RoutedExperts(nn.Module):
     `w1` (gate) and `w3` (up) are [E, F, L], `w2` (down) is [E, L, F]: slice e is expert e's `[out, in]` weight
     (the checkpoint stores them one tensor per expert, §11.4). Their form follows the config's `quantization_config`:
     trainable dense parameters, or MXFP4 buffers kept as the release stores them (`k3.ops.experts`, §11.5).
+
+    `impl`: "grouped" (every expert's rows in one grouped product, `k3.ops.experts.expert_ffn`) or "loop" (the
+    reference: one expert at a time); a runtime choice, not part of the model's configuration.
     """
 
-    def __init__(self, config: K3Config):
+    def __init__(self, config: K3Config, impl: str = "grouped"):
         super().__init__()
+        if impl not in ("grouped", "loop"):
+            raise ValueError(f"routed experts impl must be 'grouped' or 'loop', got {impl!r}")
         self.config = config
+        self.impl = impl
         E, L, M = config.num_experts, config.routed_expert_hidden_size, config.moe_intermediate_size
         packed = experts_format(config) == "mxfp4"
         self.w1 = expert_weight(E, M, L, packed)
@@ -85,7 +90,7 @@ class RoutedExperts(nn.Module):
 
     def forward(self, z_NL: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
         """r = Σ_{e ∈ top-k} w_e · E_e(z): expert outputs in the activation dtype, weighted sum in fp32, cast."""
-        if self.config.moe_impl == "loop":
+        if self.impl == "loop":
             return self._forward_loop(z_NL, idx_Nk, w_Nk)
         return self._forward_grouped(z_NL, idx_Nk, w_Nk)
 
@@ -156,28 +161,11 @@ class StableLatentMoE(nn.Module):
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         latent = self.config.use_latent_moe
         z_NL = self.routed_expert_down_proj(x_ND) if latent else x_ND
-        r_NL = self.fused_routed(x_ND, z_NL, ctx)
-        if r_NL is None:
-            idx_Nk, w_Nk = self.gate(x_ND, ctx)
-            r_NL = self.experts(z_NL, idx_Nk, w_Nk)
+        idx_Nk, w_Nk = self.gate(x_ND, ctx)
+        r_NL = self.experts(z_NL, idx_Nk, w_Nk)
         if self.config.latent_moe_use_norm:
             r_NL = self.routed_expert_norm(r_NL)
         y_ND = self.routed_expert_up_proj(r_NL) if latent else r_NL
         if self.config.num_shared_experts:
             y_ND = y_ND + self.shared_experts(x_ND)
         return y_ND.view_as(x_BTD)
-
-    def fused_routed(self, x_ND: torch.Tensor, z_NL: torch.Tensor, ctx: StepContext | None) -> torch.Tensor | None:
-        """`gate` then `experts` as one compiled call when decoding (`k3.ops.decode.moe_routed`: fp32 or bf16 CPU
-        tensors, dense or MXFP4 experts, a few tokens, no autograd), else None. Not for observed (training) calls, the loop reference, group limits, or
-        where a forward hook waits for the `gate` or `experts` module to run, or experts of another class (which may
-        compute differently: expert parallelism, quantisation-aware training)."""
-        cfg = self.config
-        if (type(self.experts) is not RoutedExperts or compiled.hooked(self.gate, self.experts)
-                or (ctx is not None and ctx.observers) or cfg.moe_impl == "loop"
-                or (cfg.num_expert_group > 1 and cfg.topk_group < cfg.num_expert_group)):
-            return None
-        betas = None if cfg.hidden_act == "silu" else (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-        return decode.moe_routed(x_ND, z_NL, self.gate.weight, self.gate.e_score_correction_bias, self.experts.w1,
-                                 self.experts.w3, self.experts.w2, cfg.num_experts_per_token, cfg.moe_renormalize,
-                                 cfg.routed_scaling_factor, betas)

@@ -37,16 +37,6 @@ def linear(x_NI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
     return compiled.load("matvec").linear(x_NI, weight_OI)  # any leading shape
 
 
-def project(x: torch.Tensor, *layers: nn.Linear) -> list[torch.Tensor]:
-    """[layer(x) for layer in layers] for bias-free `Linear` layers of one input width: one compiled pass over all
-    their weights where the kernel serves every product and no forward hook waits for a layer to be called, else
-    each layer called."""
-    weights = [layer.weight for layer in layers]
-    if compiled.hooked(*layers) or not all(_applies(x, w, compiled.rows(x)) for w in weights):
-        return [layer(x) for layer in layers]
-    return compiled.load("matvec").linears(x, weights)
-
-
 def expert_linear(x_AI: torch.Tensor, weight_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor | None:
     """x[a] W[e]ᵀ for the rows a of expert e, rows sorted by expert, `counts_E[e]` of them (`grouped_mm`'s
     contract); None where the kernel does not apply (the caller's matmul serves): it takes up to `MAX_ROWS` rows

@@ -15,7 +15,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from k3.ops import compiled, decode
-from k3.ops.precision import fp32
+from k3.ops.precision import fp32, without_autocast
 
 
 class _RowNormFunction(torch.autograd.Function):
@@ -95,6 +95,29 @@ def normalized_key_mix(sources: list[torch.Tensor], query_D: torch.Tensor, eps: 
     if torch.is_grad_enabled() and (query_D.requires_grad or any(V.requires_grad for V in sources)):
         return _MixFunction.apply(query_D, eps, *sources)
     return compiled.load("norm").mix_forward([V.contiguous() for V in sources], query_D.contiguous(), eps)[0]
+
+
+def key_mix(sources: list[torch.Tensor], gain_D: torch.Tensor, query_D: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Block AttnRes mix (§5.1) Σ_s softmax_s((V_s·(γ⊙w)) / sqrt(mean(V_s²) + ε)) V_s of [B, T, D] sources, fp32
+    inside, in the sources' dtype: the decode kernel for a few rows, the compiled mix for many, else the torch ops
+    (`key_mix_weights`, the reference)."""
+    mixed = decode.attn_res_mix(sources, gain_D, query_D, eps)
+    if mixed is None:
+        mixed = normalized_key_mix(sources, gain_D * query_D, eps)
+    if mixed is not None:
+        return mixed
+    V_SBTD = [fp32(V_BTD) for V_BTD in sources]  # a list: the sources are never stacked into one copy
+    p_SBT = key_mix_weights(V_SBTD, gain_D * query_D, eps)
+    return sum(p_BT[..., None] * V_BTD for p_BT, V_BTD in zip(p_SBT, V_SBTD)).to(sources[0].dtype)
+
+
+def key_mix_weights(V_SBTD: list[torch.Tensor], query_D: torch.Tensor, eps: float) -> torch.Tensor:
+    """The mixing weights p [S, B, T]: softmax over the fp32 sources of (V·q) / sqrt(mean(V²) + ε), one source at a
+    time (no normalised or stacked copy of the sources)."""
+    query_D = query_D.to(V_SBTD[0].dtype)
+    with without_autocast(query_D.device):  # fp32 logits under a caller's bf16 autocast too (§0.4)
+        logits_SBT = torch.stack([(V_BTD @ query_D) * torch.rsqrt(V_BTD.pow(2).mean(-1) + eps) for V_BTD in V_SBTD])
+    return torch.softmax(logits_SBT, dim=0)
 
 
 class RMSNorm(nn.Module):

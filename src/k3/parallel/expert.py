@@ -23,7 +23,7 @@ Dispatch, per layer and forward (every rank of `ep_mesh` must run it: it is a co
    (`torch.distributed._functional_collectives.all_to_all_single_autograd`; its backward is the reverse
    all-to-all, so gradients of z go home and the expert weight gradients stay with the owner);
 4. the owner groups the received rows by local expert and evaluates them with the model's own expert math
-   (`RoutedExperts.sorted_experts` / `expert`: SiTU-GLU via `k3.model.ffn.glu_activation`), honouring `moe_impl`
+   (`RoutedExperts.sorted_experts` / `expert`: SiTU-GLU via `k3.model.ffn.glu_activation`), honouring the module's `impl`
    ("grouped": one grouped matmul per weight, "loop": one expert at a time);
 5. the outputs return along the reverse all-to-all, and the source rank forms Σ w·E_e(z) with
    `RoutedExperts._combine` (weights applied after `w2`, accumulated in fp32, cast back) — so the result equals
@@ -179,7 +179,7 @@ class ExpertParallelRoutedExperts(RoutedExperts):
             # nothing received: still an autograd path from z and the weights, so that this rank takes part in
             # the backward all-to-all like its peers (and its expert gradients are zeros, not None)
             return RoutedExperts.expert(weights, 0, z_RL)
-        if self.config.moe_impl == "loop":
+        if self.impl == "loop":
             rows, outs = [], []
             for i in active:
                 rows_i = torch.nonzero(local_R == i).flatten()

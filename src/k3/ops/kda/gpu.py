@@ -1,10 +1,10 @@
 """The GPU fast path of the KDA core: flash-linear-attention's Triton kernels (docs/architecture.md §3.11).
 
 When the activations are on a CUDA device and the optional flash-linear-attention kernels import (package
-`fla-core`, `pip install 'kimi-k3[cuda]'`), `KimiDeltaAttention` with `kda_impl = "auto"` (the default) runs
+`fla-core`, `pip install 'kimi-k3[cuda]'`), `k3.ops.kda.delta_rule` with impl "auto" (the default) runs
 fla's `chunk_kda` for multi-token calls and its `fused_recurrent_kda` for one-token decode steps; everywhere
 else it runs this package's torch ops (`chunk_kda`, `recurrent_kda`), which stay the reference.
-`kda_impl = "fla"` demands the kernels (one-line error without them); "chunk" and "recurrent" force the torch
+Impl "fla" demands the kernels (one-line error without them); "chunk" and "recurrent" force the torch
 ops on any device.
 
 fla's kernels take the same tensors as ours — q, k [B,T,H,K] L2-normalised, v [B,T,H,V], g [B,T,H,K] the
@@ -23,10 +23,6 @@ import torch
 
 from k3.ops.kda.varlen import document_starts
 
-IMPLS = ("auto", "chunk", "recurrent", "fla")
-"""The values of `K3Config.kda_impl`."""
-
-
 @functools.cache
 def fla_kernels() -> SimpleNamespace | None:
     """fla's KDA kernels (`chunk`, `fused_recurrent`), or None when flash-linear-attention (or Triton) is not
@@ -39,14 +35,13 @@ def fla_kernels() -> SimpleNamespace | None:
 
 
 def use_fla(impl: str, device: torch.device) -> bool:
-    """Whether a KDA call on `device` runs fla's kernels under `kda_impl = impl`; ValueError for "fla" where they
-    cannot run."""
+    """Whether a KDA call on `device` runs fla's kernels under `impl`; ValueError for "fla" where they cannot run."""
     if impl == "fla":
         if device.type != "cuda" or fla_kernels() is None:
             missing = ("a CUDA device" if device.type != "cuda"
                        else "flash-linear-attention (pip install 'kimi-k3[cuda]')")
-            raise ValueError(f"kda_impl 'fla' runs flash-linear-attention's Triton kernels, which need {missing}; "
-                             "use kda_impl 'auto' to fall back to the torch ops")
+            raise ValueError(f"KDA impl 'fla' runs flash-linear-attention's Triton kernels, which need {missing}; "
+                             "use impl 'auto' to fall back to the torch ops")
         return True
     return impl == "auto" and device.type == "cuda" and fla_kernels() is not None
 

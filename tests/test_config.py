@@ -9,15 +9,8 @@ import re
 import pytest
 import torch
 
-from k3.config import (
-    _REQUIRED_KEYS,
-    _REQUIRED_LINEAR_ATTN_KEYS,
-    FILE_DEFAULTS,
-    PRESETS,
-    ConfigError,
-    K3Config,
-    summarize,
-)
+from k3.config import FILE_DEFAULTS, PRESETS, ConfigError, K3Config, summarize
+from k3.config.text import _REQUIRED_KEYS, _REQUIRED_LINEAR_ATTN_KEYS
 from k3.model import K3ForCausalLM
 from k3.model.accounting import count_parameters
 

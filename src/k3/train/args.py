@@ -164,6 +164,32 @@ class TrainArgs:
             raise IncompatibleResume(f"--stop-after {self.stop_after}: the run is already at step {step}")
         return replace(self, **values), changes
 
+    def parallel_problems(self, distributed, device) -> list[str]:
+        """What keeps these options from running in this process's place (`distributed`: a torchrun job's
+        `k3.parallel.Distributed`, or None for one process; `device`: its device), all at once for one message."""
+        if distributed is None:
+            if self.ep != 1 or self.cpu_offload or not self.reshard_after_forward:
+                return ["--ep, --cpu-offload and --no-reshard-after-forward shard the model over the processes of a "
+                        "torchrun job; this is a single process"]
+            return []
+        problems = []
+        if self.task == "shapes" and self.ep > 1:  # its evaluation generates captions on every rank, in lockstep
+            problems.append("--task shapes under torchrun needs --ep 1 (caption generation runs on every rank "
+                            "and must take identical greedy decisions, which expert-parallel rounding may not)")
+        if self.cpu_offload and device.type == "cpu":
+            problems.append("--cpu-offload keeps GPU shards in host memory; this job runs on the CPU already")
+        if self.batch_size % distributed.data_size:
+            groups = f"{distributed.data_size} groups of --cp {self.cp} processes" if self.cp > 1 else \
+                f"{distributed.world_size} processes"
+            problems.append(f"--batch-size {self.batch_size} must divide evenly over the {groups} (each takes its "
+                            "share of the global batch)")
+        if self.cp > 1 and self.task != "text":
+            problems.append(f"--cp splits text sequences; --task {self.task} is not split")
+        if self.cp > 1 and self.seq_len % self.cp:
+            problems.append(f"--seq-len {self.seq_len} must divide evenly over --cp {self.cp} (each rank takes an "
+                            "equal share of every sequence)")
+        return problems
+
 
 DEFAULTS = {"task": "text", "seq_len": 256, "grad_accum": 1, "warmup_frac": 0.01, "schedule": "cosine",
             "weight_decay": 0.1, "clip": 1.0, "balancer": "qb", "muon_per_head": "qkv",

@@ -263,6 +263,12 @@ def is_sharded(checkpoint: str | os.PathLike) -> bool:
     return (Path(checkpoint) / DCP_DIR / ".metadata").is_file()
 
 
+def weights_file(checkpoint: Path) -> str:
+    """The file that marks a checkpoint's weights (the index of a sharded one), for messages."""
+    return "model.safetensors.index.json" if (checkpoint / "model.safetensors.index.json").is_file() \
+        else "model.safetensors"
+
+
 def _agree(error: BaseException | None, what: str) -> None:
     """Collective: raise OSError on every rank when `error` is set on any (naming the first failing rank)."""
     errors: list = [None] * dist.get_world_size()

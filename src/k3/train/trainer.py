@@ -24,10 +24,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import signal
 import statistics
 import sys
-import threading
 import time
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -49,6 +47,7 @@ from k3.parallel.distributed import Distributed, rank_rows
 from k3.parallel.fsdp import gathered, parallelize
 from k3.parallel.grads import clip_grad_norm_, scale_grads_
 from k3.train.args import TrainArgs, describe_change
+from k3.train.signals import StopRequest
 from k3.train.balance import QuantileBalancer
 from k3.train.checkpoint import (
     LOAD_ERRORS,
@@ -62,13 +61,13 @@ from k3.train.checkpoint import (
     read_training_state,
     save_sharded_checkpoint,
     save_training_checkpoint,
+    weights_file,
 )
 from k3.train.export import export_checkpoint
 from k3.train.qat import apply_mxfp4_qat
-from k3.train.data import check_data_path
+from k3.train.corpus import check_data_path
 from k3.train.tasks import TASKS
 from k3.train import plots
-
 
 
 class TrainingDiverged(RuntimeError):
@@ -78,38 +77,6 @@ class TrainingDiverged(RuntimeError):
 class SaveFailed(OSError):
     """A checkpoint or the exported model could not be written (a full disk, a lost permission); the message
     says what is kept."""
-
-
-class _StopRequest:
-    """The first Ctrl-C (SIGINT) or SIGTERM (what schedulers send before they kill a job) asks the loop to
-    checkpoint and stop after the current step; a second one aborts at once (KeyboardInterrupt). Signal
-    handlers can only be installed from the main thread; elsewhere the signals keep their handlers."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.signal: str | None = None  # the name of the first signal received
-
-    @property
-    def requested(self) -> bool:
-        return self.signal is not None
-
-    def __enter__(self):
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
-        tqdm.write(f"{self.signal}: saving a checkpoint after this step (send it again to abort)", file=sys.stderr)
-
-    def __exit__(self, *exc):
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
 
 
 class Trainer:
@@ -165,7 +132,9 @@ class Trainer:
             self._check_schedule(a.steps)
         if a.stop_after is not None and a.steps is not None and a.stop_after > a.steps:
             raise ValueError(f"--stop-after {a.stop_after} is beyond the end of the schedule (--steps {a.steps})")
-        self._check_parallel()
+        problems = self.args.parallel_problems(self.dist, self.device)
+        if problems:
+            raise ValueError("; ".join(problems))
         if a.data is not None:
             try:
                 check_data_path(a.data)
@@ -177,32 +146,6 @@ class Trainer:
             except OSError as e:
                 raise ValueError(f"--out {str(self.out)!r} is not writable ({describe_error(e)})") from None
             remove_stale_temporaries(self.out, names=_OUT_FILES)  # of a killed run (metrics, plots, export)
-
-    def _check_parallel(self) -> None:
-        a = self.args
-        if self.dist is None:
-            if a.ep != 1 or a.cpu_offload or not a.reshard_after_forward:
-                raise ValueError("--ep, --cpu-offload and --no-reshard-after-forward shard the model over the "
-                                 "processes of a torchrun job; this is a single process")
-            return
-        problems = []  # all of them in one line
-        if a.task == "shapes" and a.ep > 1:  # its evaluation generates captions on every rank, in lockstep
-            problems.append("--task shapes under torchrun needs --ep 1 (caption generation runs on every rank "
-                            "and must take identical greedy decisions, which expert-parallel rounding may not)")
-        if a.cpu_offload and self.device.type == "cpu":
-            problems.append("--cpu-offload keeps GPU shards in host memory; this job runs on the CPU already")
-        if a.batch_size % self.dist.data_size:
-            groups = f"{self.dist.data_size} groups of --cp {a.cp} processes" if a.cp > 1 else \
-                f"{self.dist.world_size} processes"
-            problems.append(f"--batch-size {a.batch_size} must divide evenly over the {groups} (each takes its "
-                            "share of the global batch)")
-        if a.cp > 1 and a.task != "text":
-            problems.append(f"--cp splits text sequences; --task {a.task} is not split")
-        if a.cp > 1 and a.seq_len % a.cp:
-            problems.append(f"--seq-len {a.seq_len} must divide evenly over --cp {a.cp} (each rank takes an equal "
-                            "share of every sequence)")
-        if problems:
-            raise ValueError("; ".join(problems))
 
     def _start(self, args: TrainArgs) -> None:
         self.args = args
@@ -289,7 +232,7 @@ class Trainer:
             try:
                 model = task.model_class.from_pretrained(path)
             except LOAD_ERRORS as e:
-                raise DamagedCheckpoint(path, _weights_file(path), e) from None
+                raise DamagedCheckpoint(path, weights_file(path), e) from None
             self._build(model.to(self.device))
             state = load_training_state(path, list(self.optimizers), self.model)
         try:
@@ -539,7 +482,7 @@ class Trainer:
         eval_seconds = time.perf_counter() - started
         last_saved, stopped_by = self.step, None
         try:
-            with _StopRequest() as stop:
+            with StopRequest() as stop:
                 if sized_here:  # the first step runs at lr 0 whatever the length (§8.7): fitted after it
                     self.total_steps = 10**9
                 bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True,
@@ -589,14 +532,6 @@ class Trainer:
 
 _OUT_FILES = ("metrics.jsonl", "loss.png", "expert_load.png", "attn_res.png", "model", "write-probe")
 """What a run writes atomically into `out` (only their temporaries are removed there: `out` may hold other files)."""
-
-
-
-
-def _weights_file(checkpoint: Path) -> str:
-    """The file that marks a checkpoint's weights (the index of a sharded one), for messages."""
-    return "model.safetensors.index.json" if (checkpoint / "model.safetensors.index.json").is_file() \
-        else "model.safetensors"
 
 
 def train(args: TrainArgs, distributed: Distributed | None = None) -> dict:

@@ -1,10 +1,13 @@
-"""Fused operations of a one-token step, compiled (`decode_kernel.cpp`, docs/architecture.md §0.6).
+"""The operations of a one-token step, compiled (`decode_kernel.cpp`, docs/architecture.md §0.6).
 
 A decode step of a small model spends most of its CPU time on the per-call cost of small operations, not on their
 arithmetic: an RMSNorm is five torch operations, an AttnRes mix about forty, the KDA step after its projections
-about a hundred. Each function here does one of them as one compiled call for the calls of decoding — fp32 or bf16
-CPU tensors, at most `MAX_ROWS` rows, no autograd — and returns None for every other call, where the
-caller's torch operations run; those are the references the tests compare against.
+about a hundred. The decode kernel does each as one compiled call for the calls of decoding — fp32 or bf16 CPU
+tensors, at most `MAX_ROWS` rows, no autograd — and its `layer_step` runs them for a whole decoder layer
+(`k3.inference.compiled_step`). Here each operation can be called alone: the norms and the AttnRes mix by the ops
+that serve the modules (`k3.ops.norm`), the KDA step, the MLA step and the routed MoE by the tests (against their
+formula, their fp32 values, their one-row calls); the layer step is tested against the modules. Each returns None
+for a call it does not serve.
 
 A bf16 model's calls (bf16 weights, activations and caches; the §0.4 tensors fp32) compute in fp32: weight matrices
 and caches are read as stored (bf16 widened exactly: half the bytes of fp32), activations widened once, and each

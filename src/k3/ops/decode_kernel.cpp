@@ -664,7 +664,7 @@ torch::Tensor mla_step(const torch::Tensor &q_in, const torch::Tensor &latent, i
   return like(out, q_in);
 }
 
-// ---- A whole decoder layer of a one-token step (k3.model.fused_layer, docs/architecture.md §0.6) ----
+// ---- A whole decoder layer of a one-token step (k3.inference.compiled_step, docs/architecture.md §0.6) ----
 
 // The tensors of a decoder layer by their checkpoint names relative to the layer ("self_attn.q_proj.weight", …)
 class Weights {
@@ -714,7 +714,7 @@ class Weights {
   py::dict tensors_;
 };
 
-// The numbers of the configuration a layer step reads (k3.model.fused_layer.options names them)
+// The numbers of the configuration a layer step reads (k3.inference.compiled_step.options names them)
 struct Options {
   double eps, lora_eps, scale, scaling;
   c10::optional<double> lower_bound;  // KDA's bounded gate; none: the softplus form
@@ -730,7 +730,7 @@ struct Options {
         act{d["situ"].cast<bool>(), d["beta1"].cast<float>(), d["beta2"].cast<float>()} {}
 };
 
-// KDA (k3.model.kda.KimiDeltaAttention.fused_step): the six projections of x in one pass, the step, o_proj
+// KDA (the steps of k3.model.kda.KimiDeltaAttention.forward): the six projections of x in one pass, the step, o_proj
 torch::Tensor kda_mixer(const torch::Tensor &x, const Weights &w, const Options &o, const torch::Tensor &conv_state,
                         const torch::Tensor &state) {
   const bool full_rank = w.has("self_attn.g_proj.weight");
@@ -746,7 +746,7 @@ torch::Tensor kda_mixer(const torch::Tensor &x, const Weights &w, const Options 
   return k3::linear(out, w("self_attn.o_proj.weight"));
 }
 
-// Gated MLA, absorbed (k3.model.mla.GatedMLA.fused_step, NoPE form): the latent [RMSNorm(c) ‖ k_pe] of this token
+// Gated MLA, absorbed (k3.model.mla.GatedMLA.attend_absorbed, NoPE form): the latent [RMSNorm(c) ‖ k_pe] of this token
 // written at `start`, the query from c_q = RMSNorm(x W_qaᵀ), the step over the first start + 1 positions, o_proj
 torch::Tensor mla_mixer(const torch::Tensor &x, const Weights &w, const Options &o, const torch::Tensor &latent,
                         int64_t start, const c10::optional<torch::Tensor> &first) {

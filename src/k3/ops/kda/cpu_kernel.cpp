@@ -411,7 +411,7 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
 }
 
 // ---------------------------------------------------------------------------------------------- short convolution
-// KDA's causal depthwise convolution + SiLU (k3.model.kda.short_conv, §3.2 step 2) for many tokens, fp32, each way
+// KDA's causal depthwise convolution + SiLU (k3.ops.kda.conv.short_conv, §3.2 step 2) for many tokens, fp32, each way
 // one pass over the positions. x [B, T+W−1, P] holds the W−1 context inputs, then the T new ones; w [W, P] (tap-major);
 // tap j of output t reads input t+j — not at all, with document ids [B, T], where that input is a context input
 // or belongs to another document than output t (packed rows, §3.8).

@@ -1,9 +1,8 @@
-"""`k3.ops.compiled`: where the kernels are built, and a killed build's lock file."""
+"""`k3.ops.compiled`: where the kernels are built, one process at a time, and a killed build's lock file."""
 
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -19,18 +18,37 @@ def test_build_directory_per_kernel_capability_python_and_torch(monkeypatch, tmp
     assert name.startswith("k3_kda_avx2_py") and torch.__version__.replace("+", "_") in name
 
 
-def test_a_stale_lock_is_removed_and_a_live_one_kept(monkeypatch, tmp_path):
-    """PyTorch's builder waits for as long as a lock file exists: one older than any build (left by a killed
-    build) is removed; a recent one (another process building now) stays."""
+def test_a_killed_builds_lock_is_removed(monkeypatch, tmp_path):
+    """PyTorch's builder waits for as long as its lock file exists: the holder of the build directory removes one
+    that a killed build left behind."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = os.path.join(compiled._build_directory("matvec", "AVX2"), "lock")
-    open(lock, "w").close()
-    compiled._build_directory("matvec", "AVX2")
-    assert os.path.exists(lock)
-    old = time.time() - compiled.STALE_LOCK_S - 1
-    os.utime(lock, (old, old))
-    compiled._build_directory("matvec", "AVX2")
-    assert not os.path.exists(lock)
+    directory = compiled._build_directory("matvec", "AVX2")
+    open(os.path.join(directory, "lock"), "w").close()
+    with compiled.exclusive_build(directory):
+        assert not os.path.exists(os.path.join(directory, "lock"))
+
+
+def test_builds_take_turns_and_a_killed_builder_blocks_nobody(tmp_path):
+    """A second process waits while another holds the build directory, and gets it as soon as the holder is killed
+    mid-build (the system releases its lock), finding no lock file left to wait on."""
+    directory = str(tmp_path)
+    hold = ("import os, sys, time; from k3.ops.compiled import exclusive_build\n"
+            "with exclusive_build(sys.argv[1]):\n"
+            "    open(os.path.join(sys.argv[1], 'lock'), 'w').close()  # PyTorch's, as a build in progress has\n"
+            "    print('holding', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, directory], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        take = ("import sys; from k3.ops.compiled import exclusive_build\n"
+                "with exclusive_build(sys.argv[1]): print('taken', flush=True)")
+        waiter = subprocess.Popen([sys.executable, "-c", take, directory], stdout=subprocess.PIPE, text=True)
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiter.wait(timeout=2)
+        holder.kill()
+        assert waiter.communicate(timeout=60)[0].strip() == "taken"
+        assert not os.path.exists(os.path.join(directory, "lock"))
+    finally:
+        holder.kill()
 
 
 def test_every_kernel_the_readme_promises_is_built():

@@ -9,12 +9,13 @@ compiler), `load` returns None and `available` warns once with the reason: every
 cannot be built, unless told that the torch ops may serve (`--allow-missing`, `K3_KERNELS=optional`).
 """
 
+import contextlib
+import fcntl
 import functools
 import os
 import shutil
 import sys
 import sysconfig
-import time
 import warnings
 
 import torch
@@ -36,7 +37,6 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 # (a weight that fits in cache goes faster through a matrix product from about 8 rows; k3-small's lm_head at 16 rows
 # does not: 4.9 ms against 13.1)
 MAX_ROWS = 16
-STALE_LOCK_S = 600.0  # a build takes ≈ 40 s: a lock file this old was left by a killed build
 _VECTOR_FLAGS = {  # by the capability PyTorch itself detected on this CPU; the defines select ATen's matching
     # `Vectorized` (its SLEEF tanh and exp, exported by PyTorch's library)
     "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
@@ -54,15 +54,33 @@ def build(name: str):
         os.environ["PATH"] = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
     here = os.path.dirname(os.path.abspath(__file__))
     source = os.path.join(here, KERNELS[name])
+    directory = _build_directory(name, capability)
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        module = load_extension(name=f"k3_{name}_{capability.lower()}", sources=[source], extra_cflags=flags,
-                                extra_include_paths=[here], extra_ldflags=["-fopenmp"],
-                                build_directory=_build_directory(name, capability), verbose=False)
+        with exclusive_build(directory):
+            module = load_extension(name=f"k3_{name}_{capability.lower()}", sources=[source], extra_cflags=flags,
+                                    extra_include_paths=[here], extra_ldflags=["-fopenmp"],
+                                    build_directory=directory, verbose=False)
     except Exception as err:  # no compiler, no ninja, a failed build: the torch ops serve every call
         return None, f"{type(err).__name__}: {str(err).strip()}"  # the builder's whole report (compiler output)
     return module, None
+
+
+@contextlib.contextmanager
+def exclusive_build(directory: str):
+    """One process at a time in a kernel's build directory, by an advisory lock (`flock`) that the system releases
+    when its holder ends, however it ends. PyTorch's builder has its own lock, a file that it waits on for as long as
+    it exists — forever, where a build was killed — so the holder of ours removes one it finds: nobody else is
+    building."""
+    with open(os.path.join(directory, "k3.lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, "lock"))
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def summary(why: str) -> str:
@@ -72,15 +90,11 @@ def summary(why: str) -> str:
 
 
 def _build_directory(name: str, capability: str) -> str:
-    """The kernel's own build directory, cleared of a stale lock: PyTorch's builder waits on a lock file for as long
-    as it exists, and a build killed mid-way (Ctrl-C during `make`) leaves one behind."""
+    """The kernel's own build directory (created)."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
     version = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}".replace("+", "_")
     path = os.path.join(root, f"k3_{name}_{capability.lower()}_{version}")
     os.makedirs(path, exist_ok=True)
-    lock = os.path.join(path, "lock")
-    if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
-        os.remove(lock)
     return path
 
 

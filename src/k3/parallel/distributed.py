@@ -2,7 +2,8 @@
 
 `torchrun --standalone --nproc_per_node N -m k3 train ...` (or the multi-node `--nnodes/--rdzv-endpoint` form)
 sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous variables; `init_distributed` joins the group with gloo on
-CPU or NCCL on CUDA, chosen automatically, and a timeout on every collective, so a rank that dies brings the
+CPU or, on CUDA, NCCL for CUDA tensors and gloo for CPU ones (`--cpu-offload`), chosen automatically, and a timeout
+on every collective, so a rank that dies brings the
 others down with an error instead of a hang. Without torchrun (no WORLD_SIZE, or 1) nothing is initialised and
 training runs exactly as a single process.
 
@@ -75,7 +76,9 @@ def init_distributed(ep: int = 1, cp: int = 1, timeout_s: float = DEFAULT_TIMEOU
                 raise ValueError(f"{flag} {value} needs a multi-process torchrun job (this is a single process)")
         return None
     cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
+    # on GPUs, NCCL for CUDA tensors and gloo for CPU ones: --cpu-offload keeps the shards, their gradients and so the
+    # gradient norm's collectives on the CPU, which NCCL does not take
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
@@ -89,12 +92,14 @@ def make_distributed(ep: int = 1, cp: int = 1) -> Distributed:
     for flag, value in (("--ep", ep), ("--cp", cp)):
         if value < 1 or world % value:
             raise ValueError(f"{flag} {value} must be a positive divisor of the number of processes ({world})")
-    cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    config = dist.get_backend_config()  # "cpu:gloo,cuda:nccl" on GPUs (`init_distributed`)
+    cuda = torch.cuda.is_available() and "cuda:nccl" in config
+    backend = ("nccl, gloo for CPU tensors" if "cpu:gloo" in config else "nccl") if cuda else dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     ep_mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp_rep", "ep")) if ep > 1 else None
     cp_mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("data", "cp")) if cp > 1 else None
-    return Distributed(rank, world, device, dist.get_backend(), mesh, ep, ep_mesh, cp, cp_mesh)
+    return Distributed(rank, world, device, backend, mesh, ep, ep_mesh, cp, cp_mesh)
 
 
 def rank_rows(global_rows: int, world_size: int, rank: int) -> slice:

@@ -107,10 +107,7 @@ def save_training_checkpoint(run_dir: str | os.PathLike, step: int, model, files
     with atomic_directory(final) as tmp:
         model.save_pretrained(tmp)
         files.save(tmp)
-        tensors: dict[str, torch.Tensor] = {"rng.cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            for i, s in enumerate(torch.cuda.get_rng_state_all()):
-                tensors[f"rng.cuda.{i}"] = s
+        tensors = rng_states([cuda_rng_state()])
         optim = [_flatten_optimizer(f"optim{i}", opt.state_dict(), tensors) for i, opt in enumerate(optimizers)]
         with atomic_path(tmp / STATE_TENSORS) as path:
             save_file(tensors, path)
@@ -215,20 +212,27 @@ def _by_name(model, optimizer, state: dict) -> dict:
             "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
 
 
-def _rng_states() -> dict[str, torch.Tensor]:
+def cuda_rng_state() -> torch.Tensor | None:
+    """This process's CUDA generator state (of its current device), None without CUDA."""
+    return torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+
+
+def rng_states(cuda_states: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """The CPU generator's state and every rank's CUDA generator state (`cuda_states[rank]`, one per process of the
+    job, each of its own device), under `rng.cuda.<rank>`."""
     tensors = {"rng.cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"rng.cuda.{i}"] = state
+    tensors.update({f"rng.cuda.{rank}": state for rank, state in enumerate(cuda_states) if state is not None})
     return tensors
 
 
-def _set_rng_states(checkpoint: Path, tensors: dict[str, torch.Tensor]) -> None:
-    cuda_states = [tensors[k] for k in sorted(tensors) if k.startswith("rng.cuda.")]
+def _set_rng_states(checkpoint: Path, tensors: dict[str, torch.Tensor], rank: int = 0) -> None:
+    """Restore the CPU generator, and this rank's CUDA generator from `rng.cuda.<rank>` (the rank number read as a
+    number). A rank the checkpoint has no state for (a resume on more GPUs) keeps the generator its seed gave."""
     try:
         torch.set_rng_state(tensors["rng.cpu"])
-        if cuda_states and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(cuda_states)
+        cuda_states = {int(key.rsplit(".", 1)[1]): t for key, t in tensors.items() if key.startswith("rng.cuda.")}
+        if rank in cuda_states and torch.cuda.is_available():
+            torch.cuda.set_rng_state(cuda_states[rank])
     except LOAD_ERRORS as e:
         raise DamagedCheckpoint(checkpoint, STATE_TENSORS, f"bad RNG state: {describe_error(e)}") from None
 
@@ -282,8 +286,8 @@ def save_sharded_checkpoint(run_dir: str | os.PathLike, step: int, model, files,
                             extra: dict[str, Any]) -> Path:
     """Collective `save_training_checkpoint` of a torchrun job: every rank writes its shards of the model and
     optimiser states with DCP into `step_<step>/dcp/` (the `.metadata` file, written last, completes them);
-    rank 0 adds the config, the tokenizer, the RNG state and the JSON run state (all ranks draw the same
-    global batches, so one copy of these serves any world size), renames the staged directory into place and
+    rank 0 adds the config, the tokenizer, the RNG states (the CPU generator's: all ranks draw the same global
+    batches, so one copy serves any world size; each rank's CUDA generator's, gathered) and the JSON run state, renames the staged directory into place and
     updates `latest`. A failure on any rank (OSError on every rank) leaves the previous checkpoints untouched.
     DCP stores its metadata with pickle: load only checkpoints your own runs wrote."""
     root, main = Path(run_dir) / "checkpoints", dist.get_rank() == 0
@@ -300,6 +304,8 @@ def save_sharded_checkpoint(run_dir: str | os.PathLike, step: int, model, files,
         _agree(error, "creating the checkpoint directory")
         dist.broadcast_object_list(staged, src=0)
         tmp = Path(staged[0])
+        cuda_states: list[torch.Tensor | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(cuda_states, cuda_rng_state())  # each rank's own device's generator
         try:
             model_state, optim_state = get_state_dict(model, optimizers)
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / DCP_DIR)
@@ -311,7 +317,7 @@ def save_sharded_checkpoint(run_dir: str | os.PathLike, step: int, model, files,
                 with_experts_format(model.config.released_layout(), "dense").save(tmp)
                 files.save(tmp)
                 with atomic_path(tmp / STATE_TENSORS) as path:
-                    save_file(_rng_states(), path)
+                    save_file(rng_states(cuda_states), path)
                 atomic_write(tmp / STATE_JSON, json.dumps({"step": step, "optimizers": [], **extra}, indent=1))
             except OSError as e:
                 error = e
@@ -347,5 +353,5 @@ def load_sharded_state(checkpoint: str | os.PathLike, model, optimizers: list) -
         tensors = load_file(checkpoint / STATE_TENSORS)
     except LOAD_ERRORS as e:
         raise DamagedCheckpoint(checkpoint, STATE_TENSORS, e) from None
-    _set_rng_states(checkpoint, tensors)
+    _set_rng_states(checkpoint, tensors, dist.get_rank() if dist.is_initialized() else 0)
     return saved

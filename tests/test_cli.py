@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from k3.checkpoint.quantization import with_experts_format
-from k3 import cli
+from k3.cli import runs as cli_runs
 from k3.cli import caption_accuracy_line, main
 from k3.inference import generate
 from k3.config import K3Config
@@ -162,9 +162,9 @@ def test_generate_prompt_file_prefills_in_chunks_and_reports_its_phases(checkpoi
     assert main(["generate", path, "--prompt", text, "--max-new-tokens", "5", "--temperature", "0"]) == 0
     expected = capsys.readouterr().out
     calls = []
-    real_generate = cli.generate
-    monkeypatch.setattr(cli, "PREFILL_CHUNK", 8)
-    monkeypatch.setattr(cli, "generate", lambda *a, **k: calls.append(k["prefill_chunk"]) or real_generate(*a, **k))
+    real_generate = cli_runs.generate
+    monkeypatch.setattr(cli_runs, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(cli_runs, "generate", lambda *a, **k: calls.append(k["prefill_chunk"]) or real_generate(*a, **k))
     assert main(["generate", path, "--prompt-file", str(tmp_path / "prompt.txt"), "--max-new-tokens", "5",
                  "--temperature", "0"]) == 0
     captured = capsys.readouterr()
@@ -255,7 +255,7 @@ def vl_checkpoint(tmp_path_factory):
 
 def _generate_image(path, image, monkeypatch, capsys):
     """Run `k3 generate --image`; returns (exit code, stderr, what reached generate())."""
-    import k3.cli
+    import k3.cli.runs
 
     seen = {}
 
@@ -263,7 +263,7 @@ def _generate_image(path, image, monkeypatch, capsys):
         seen.update(ids=ids, grid_thws=kwargs.get("grid_thws"))
         return ids
 
-    monkeypatch.setattr(k3.cli, "generate", fake_generate)
+    monkeypatch.setattr(k3.cli.runs, "generate", fake_generate)
     code = main(["generate", str(path), "--image", str(image), "--prompt", " caption", "--max-new-tokens", "1"])
     return code, capsys.readouterr().err, seen
 
@@ -392,7 +392,7 @@ def test_expected_failures_are_one_line_with_their_exit_status(monkeypatch, caps
     def fail(args):
         raise error
 
-    monkeypatch.setattr("k3.cli.cmd_info", fail)
+    monkeypatch.setattr("k3.cli.models.cmd_info", fail)
     assert main(["info", "k3-tiny"]) == status
     assert capsys.readouterr().err == line + "\n"
 
@@ -407,7 +407,7 @@ def test_debug_shows_the_traceback_and_bugs_are_not_hidden(monkeypatch):
     def bug(args):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr("k3.cli.cmd_info", bug)
+    monkeypatch.setattr("k3.cli.models.cmd_info", bug)
     with pytest.raises(ZeroDivisionError):
         main(["info", "k3-tiny"])
 

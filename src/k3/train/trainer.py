@@ -170,7 +170,8 @@ class Trainer:
         if args.mxfp4_experts:
             apply_mxfp4_qat(self.model)
         if self.dist is not None:
-            parallelize(self.model, self.dist, args.reshard_after_forward, args.cpu_offload)
+            parallelize(self.model, self.dist, args.reshard_after_forward, args.cpu_offload,
+                        mixed_precision=self.device.type == "cuda")  # bf16 all-gathers, fp32 reduction
             if self.dist.cp > 1:
                 apply_context_parallel(self.model, self.dist.cp_mesh.get_group("cp"))
                 self._warn("--cp: QK-Clip's max logits cover the query-key pairs within each rank's share of a "

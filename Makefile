@@ -1,10 +1,12 @@
-# Set-up and the two project commands. Both create/reuse the venv in $(VENV); the CPU torch wheel is installed
-# first so that pip never pulls a multi-GB CUDA build (override TORCH_SPEC on a GPU machine); the
+# Set-up and the two project commands. Both create/reuse the venv in $(VENV); torch is installed first, the CPU
+# build by its local version (+cpu) wherever pip can reach one, so that pip pulls no multi-GB CUDA build, else the
+# plain release (TORCH_FALLBACK); name a CUDA build in TORCH_SPEC on a GPU machine; the
 # CPU kernels are compiled once at the end (k3/ops/compiled.py): a kernel that fails to build stops the set-up with
 # the compiler's report, unless KERNELS=optional lets the slower torch ops serve in its place.
 VENV ?= .venv
 PYTHON ?= python3
-TORCH_SPEC ?= torch==2.13.0
+TORCH_SPEC ?= torch==2.13.0+cpu
+TORCH_FALLBACK ?= torch==2.13.0
 KERNELS ?= required
 PY := $(VENV)/bin/python
 export K3_KERNELS := $(KERNELS)
@@ -14,7 +16,8 @@ export K3_KERNELS := $(KERNELS)
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)" 2>/dev/null \
+		|| $(PY) -m pip install -q "$(TORCH_FALLBACK)"
 	$(PY) -m pip install -q -e ".[train,vision,serve,test]"
 	$(PY) -m k3.ops.build
 	touch $@

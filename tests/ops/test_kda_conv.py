@@ -1,8 +1,10 @@
-"""`k3.ops.kda.conv`: KDA's short convolution + SiLU of many tokens on the compiled kernel (forward and backward)
-against the shifted products in torch ops (`short_conv`'s reference) and float64 (§3.2, §3.8)."""
+"""`k3.ops.kda.conv`: KDA's short convolution + SiLU (§3.2 step 2, §3.8): `short_conv` against a tap loop, its paths
+against each other, and the compiled kernel of many tokens (forward and backward) against the shifted products in
+torch ops and float64."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from k3.ops import compiled
 from k3.ops.kda import conv
@@ -68,3 +70,52 @@ def test_no_new_token():
     x, w, context = randn(2, 0, 8).float().requires_grad_(), randn(8, 1, 4, seed=1).float(), randn(2, 3, 8).float()
     y, new_context = short_conv(x, w, context)
     assert y.shape == (2, 0, 8) and torch.equal(new_context, context)
+
+
+# ---------------------------------------------------------------------------------------------- the entry
+def test_short_conv_matches_tap_loop():
+    """Causal depthwise conv with tap W−1 on the current token, zero left context, then SiLU, fp32 inside (§3.2 step 2)."""
+    gen = torch.Generator().manual_seed(2)
+    P, T, W = 10, 13, 4
+    x = torch.randn(2, T, P, generator=gen)
+    w = torch.randn(P, 1, W, generator=gen)
+    y, context = short_conv(x, w)
+    assert torch.equal(context, x[:, T - (W - 1):])  # the next call's left context: the last W−1 inputs
+    ref = torch.zeros(2, T, P, dtype=torch.float64)
+    for t in range(T):
+        for j in range(W):
+            tau = t - (W - 1) + j
+            if tau >= 0:
+                ref[:, t] += w[:, 0, j].double() * x[:, tau].double()
+    torch.testing.assert_close(y.double(), F.silu(ref), rtol=1e-6, atol=1e-6)
+    # the current token really uses the last tap: a delta at t = 0 shows w[:, 0, W-1] at t = 0
+    delta = torch.zeros(1, T, P)
+    delta[0, 0] = 1.0
+    torch.testing.assert_close(short_conv(delta, w)[0][0, :W], F.silu(w[:, 0, :].flip(-1).t()), rtol=1e-6, atol=1e-6)
+    y16, _ = short_conv(x.to(torch.bfloat16), w)
+    assert y16.dtype == torch.bfloat16
+    # split-and-carry: two calls with the carried context equal one call
+    y_a, ctx_a = short_conv(x[:, :5], w)
+    y_b, _ = short_conv(x[:, 5:], w, ctx_a)
+    torch.testing.assert_close(torch.cat([y_a, y_b], 1), y, rtol=0, atol=1e-6)
+
+
+def test_short_conv_paths_agree():
+    """The three ways of computing the conv (W shifted products with gradients, conv1d for a no-grad prefill,
+    the window product for one token) give the same outputs and carried contexts."""
+    gen = torch.Generator().manual_seed(3)
+    P, T, W = 12, 9, 4
+    x, w = torch.randn(2, T, P, generator=gen), torch.randn(P, 1, W, generator=gen)
+    context = torch.randn(2, W - 1, P, generator=gen)
+    taps, taps_ctx = short_conv(x, w, context)  # grad mode: the shifted products
+    with torch.no_grad():
+        prefill, prefill_ctx = short_conv(x, w, context)  # conv1d
+        steps, ctx = [], context
+        for t in range(T):  # one token at a time: the window product
+            y, ctx = short_conv(x[:, t:t + 1], w, ctx)
+            steps.append(y)
+    torch.testing.assert_close(prefill, taps, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.cat(steps, 1), taps, rtol=1e-6, atol=1e-6)
+    assert torch.equal(prefill_ctx, taps_ctx) and torch.equal(ctx, taps_ctx)
+
+# -------------------------------------------------------------------------------------------- layer

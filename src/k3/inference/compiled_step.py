@@ -1,5 +1,6 @@
 """The compiled decode step: `decode_one_token` runs each decoder layer of a one-token step as one compiled call
-(`layer_step` of `k3.ops.decode`, docs/architecture.md §0.6), from outside an untouched model.
+(`layer_step` of the decode kernel, `decode_kernel.cpp`; docs/architecture.md §0.6), from outside an untouched
+model.
 
 Most of a one-token step on a CPU is Python between small operations: the module calls, the checks of each
 operation, the dispatch. Here a decoder layer's step — AttnRes mixes, norms, KDA or MLA, dense FFN or MoE — is one

@@ -102,12 +102,14 @@ def key_mix(sources: list[torch.Tensor], gain_D: torch.Tensor, query_D: torch.Te
     inside, in the sources' dtype: the decode kernel for a few rows, the compiled mix for many, else the torch ops
     (`key_mix_weights`, the reference)."""
     mixed = decode.attn_res_mix(sources, gain_D, query_D, eps)
-    if mixed is None:
-        mixed = normalized_key_mix(sources, gain_D * query_D, eps)
+    if mixed is not None:
+        return mixed
+    scaled_query_D = gain_D * query_D  # γ ⊙ w
+    mixed = normalized_key_mix(sources, scaled_query_D, eps)
     if mixed is not None:
         return mixed
     V_SBTD = [fp32(V_BTD) for V_BTD in sources]  # a list: the sources are never stacked into one copy
-    p_SBT = key_mix_weights(V_SBTD, gain_D * query_D, eps)
+    p_SBT = key_mix_weights(V_SBTD, scaled_query_D, eps)
     return sum(p_BT[..., None] * V_BTD for p_BT, V_BTD in zip(p_SBT, V_SBTD)).to(sources[0].dtype)
 
 

@@ -23,8 +23,8 @@ Dispatch, per layer and forward (every rank of `ep_mesh` must run it: it is a co
    (`torch.distributed._functional_collectives.all_to_all_single_autograd`; its backward is the reverse
    all-to-all, so gradients of z go home and the expert weight gradients stay with the owner);
 4. the owner groups the received rows by local expert and evaluates them with the model's own expert math
-   (`RoutedExperts.sorted_experts` / `expert`: SiTU-GLU via `k3.model.ffn.glu_activation`), honouring the module's `impl`
-   ("grouped": one grouped matmul per weight, "loop": one expert at a time);
+   (`RoutedExperts.sorted_experts` / `expert`: SiTU-GLU via `k3.model.ffn.glu_activation`), honouring the module's
+   `impl` ("grouped": one grouped matmul per weight, "loop": one expert at a time);
 5. the outputs return along the reverse all-to-all, and the source rank forms Σ w·E_e(z) with
    `RoutedExperts._combine` (weights applied after `w2`, accumulated in fp32, cast back) — so the result equals
    the single-process layer up to the fp32 summation order.

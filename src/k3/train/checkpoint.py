@@ -287,8 +287,8 @@ def save_sharded_checkpoint(run_dir: str | os.PathLike, step: int, model, files,
     """Collective `save_training_checkpoint` of a torchrun job: every rank writes its shards of the model and
     optimiser states with DCP into `step_<step>/dcp/` (the `.metadata` file, written last, completes them);
     rank 0 adds the config, the tokenizer, the RNG states (the CPU generator's: all ranks draw the same global
-    batches, so one copy serves any world size; each rank's CUDA generator's, gathered) and the JSON run state, renames the staged directory into place and
-    updates `latest`. A failure on any rank (OSError on every rank) leaves the previous checkpoints untouched.
+    batches, so one copy serves any world size; each rank's CUDA generator's, gathered) and the JSON run state,
+    renames the staged directory into place and updates `latest`. A failure on any rank (OSError on every rank) leaves the previous checkpoints untouched.
     DCP stores its metadata with pickle: load only checkpoints your own runs wrote."""
     root, main = Path(run_dir) / "checkpoints", dist.get_rank() == 0
     final = root / f"step_{step:07d}"

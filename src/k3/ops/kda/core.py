@@ -1,5 +1,5 @@
-"""The KDA core as one entry (docs/architecture.md §3.4–§3.8, §3.11): which implementation runs a call is chosen here,
-not in the layer.
+"""The KDA core as one entry (docs/architecture.md §3.4–§3.8, §3.11): which implementation runs a call is chosen
+here, not in the layer.
 
     impl "auto"       fla's Triton kernels on a CUDA device where they are installed (`k3.ops.kda.gpu`), else "chunk"
          "chunk"      the chunkwise algorithm (`chunk_kda`, compiled on the CPU) for every multi-token call, the

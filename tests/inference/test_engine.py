@@ -82,6 +82,50 @@ def test_batched_greedy_equals_alone(model):
     assert stats.decode_rows / stats.decode_steps > 4  # batched: one by one would be 1 row per step
 
 
+def test_prompts_of_one_length_share_a_prefill_call(model):
+    """8 new prompts of 40 tokens, asking for their prompt's log-probabilities too, prefill in 2 calls of 4 rows
+    (`prefill_tokens` 160) and decode to the ids they decode to one at a time; every log-probability agrees with the
+    one-at-a-time run to fp32 rounding (a shared call's products take other row counts)."""
+    prompts = _prompts(model, [40] * 8, seed=4)
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=1, prompt_logprobs=1)
+    runs = {}
+    for max_batch in (1, 8):
+        engine = Engine(model, max_batch=max_batch, prefill_chunk=64, prefill_tokens=160, prefix_cache_bytes=0)
+        calls = []
+        hook = model.register_forward_pre_hook(lambda _, args: calls.append(tuple(args[0].shape)))
+        results = [[] for _ in prompts]
+        done = threading.Semaphore(0)
+        for i, prompt in enumerate(prompts):  # all waiting before the engine starts: the first step admits them all
+            engine.submit(prompt, params, lambda event, i=i: (results[i].append(event),
+                                                              event.finish_reason and done.release()))
+        engine.start()
+        try:
+            for _ in prompts:
+                assert done.acquire(timeout=TIMEOUT_S), "the engine did not finish in time"
+        finally:
+            engine.shutdown()
+            hook.remove()
+        runs[max_batch] = results, [shape for shape in calls if shape[1] > 1]
+    (alone, alone_calls), (shared, shared_calls) = runs[1], runs[8]
+    assert alone_calls == [(1, 40)] * 8 and shared_calls == [(4, 40)] * 2
+    for one, many in zip(alone, shared):
+        assert [e.token_id for e in one] == [e.token_id for e in many]
+        pairs = list(zip(_logprobs_of(one), _logprobs_of(many)))
+        assert len(pairs) == 39 + 6
+        for x, y in pairs:
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def _logprobs_of(events):
+    """A sequence's prompt log-probabilities (after the first token), then its generated tokens'."""
+    found = []
+    for event in events:
+        found += [p for p in event.prompt_logprobs or [] if p is not None]
+        found += [event.logprob] if event.logprob is not None else []
+    return found
+
+
 def test_prefix_cache_on_equals_off(model):
     """Prompts sharing a 300-token prefix: the second and later reuse its chunks, with identical outputs."""
     shared = _prompts(model, [300], seed=2)[0]

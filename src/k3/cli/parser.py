@@ -104,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-queue", type=_count(0), default=64, help="waiting requests beyond the batch before 429")
     p.add_argument("--max-context", type=_count(2), default=8192, help="prompt + generated tokens per sequence")
     p.add_argument("--prefill-chunk", type=_count(1), default=256,
-                   help="prompt tokens prefilled between two decode steps (and the prefix cache's granularity)")
+                   help="prompt tokens one call prefills per prompt (and the prefix cache's granularity)")
+    p.add_argument("--prefill-tokens", type=_count(1), default=1024,
+                   help="prompt tokens prefilled between two decode steps, over the oldest prompts (new prompts of "
+                   "one length share a call)")
     p.add_argument("--prefix-cache-mib", type=_count(0), default=1024, help="prefix cache budget (0: off)")
     p.add_argument("--grace", type=_finite(0), default=30.0,
                    help="seconds the requests under way may take to finish after SIGTERM")

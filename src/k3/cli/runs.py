@@ -138,7 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.checkpoint, args.model_name or os.path.basename(os.path.normpath(args.checkpoint)),
             experts=experts_form, ep_mesh=ep_mesh, api_key=api_key, max_batch=args.max_batch,
             max_queue=args.max_queue, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-            prefix_cache_bytes=args.prefix_cache_mib << 20)
+            prefill_tokens=args.prefill_tokens, prefix_cache_bytes=args.prefix_cache_mib << 20)
         return run(state, sock, args.grace, experts)
     finally:
         if dist.is_initialized():

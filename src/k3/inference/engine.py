@@ -3,15 +3,20 @@
 The scheduler (`Engine._schedule`) runs in one thread and owns the model. Each iteration it
 1. drops the sequences that finished or were cancelled from the batch (their cache rows are freed at once),
 2. admits waiting requests while the batch has room (`max_batch`),
-3. prefills one chunk (`prefill_chunk` positions) of the oldest admitted prompt, so a long prompt interleaves with
-   decoding instead of stalling the running streams, and a prompt whose prefill completes joins the batch,
+3. prefills the next chunk (up to a multiple of `prefill_chunk` positions) of the oldest admitted prompts, about
+   `prefill_tokens` positions in all, so a long prompt interleaves with decoding instead of stalling the running
+   streams; prompts whose chunks cover the same positions (a burst of new prompts of one length) share one call as
+   the rows of a batch, reading the weights once, and a prompt whose prefill completes joins the batch,
 4. decodes one token for every running sequence in one call.
 
 Every sequence keeps its own KDA states and MLA latents in one row of the batch's `K3Cache`; rows are right-aligned
 (a shorter sequence's first positions are padding), which K3's position-free MLA allows: a sequence's keys may sit
 at any position of its row. The batch's positions are those of its longest live sequence, so the cache holds
 `rows × longest live sequence`, and a finished sequence's row is dropped before the next step. Prompts prefill on
-their own single-row cache, reusing the state of a stored prefix when there is one (`k3.inference.prefix_cache`).
+their own single-row cache (a shared call's rows are taken apart after it), reusing the state of a stored prefix
+when there is one (`k3.inference.prefix_cache`). Decode steps are bit for bit the same whatever else runs (the
+compiled step takes each row alone); a shared prefill call agrees with the prompt's own call to fp32 rounding, as
+its products take other row counts (and, for the routed experts, other kernels).
 
 Requests come from other threads (`submit`, `cancel`); each sequence reports its tokens through its `emit`
 callback, called from the engine thread. Shape suffixes (`x_BTD`): the legend at the top of docs/architecture.md.
@@ -140,8 +145,10 @@ RATE_WINDOW_S = 10.0  # the window of the generated tokens/s in /metrics
 class Engine:
     """Continuous batching over one model; thread-safe `submit` / `cancel`, the model used by one thread only.
 
-    `max_context`: positions a sequence may reach (prompt + generated); `max_queue`: waiting requests beyond the
-    running batch before `submit` raises QueueFull; `prefix_cache_bytes`: the prefix cache's budget (0: off);
+    `max_context`: positions a sequence may reach (prompt + generated); `prefill_chunk`: the chunk of a prompt one
+    call prefills (and the prefix cache's granularity); `prefill_tokens`: prompt positions prefilled between two
+    decode steps (a chunk of each of the oldest prompts, at least one chunk); `max_queue`: waiting requests beyond
+    the running batch before `submit` raises QueueFull; `prefix_cache_bytes`: the prefix cache's budget (0: off);
     `on_idle`: called from the engine thread after each `idle_s` seconds with nothing to run (expert-parallel
     serving tells its other ranks to wait on, `k3.parallel.expert_serving`); `vocab_size`: sample (and report
     log-probabilities) over the ids below it only, those the tokenizer can decode, where the model's vocabulary is
@@ -149,19 +156,20 @@ class Engine:
     """
 
     def __init__(self, model: K3ForCausalLM | K3ForConditionalGeneration, *, max_batch: int = 16,
-                 max_queue: int = 64, max_context: int = 8192, prefill_chunk: int = 256,
+                 max_queue: int = 64, max_context: int = 8192, prefill_chunk: int = 256, prefill_tokens: int = 1024,
                  prefix_cache_bytes: int = 256 << 20, on_idle: Callable[[], None] | None = None,
                  idle_s: float = 30.0, vocab_size: int | None = None):
         if not model.config.mla_use_nope:
             raise ValueError("the batching engine moves a sequence's cached keys to other positions, which only "
                              "position-free MLA allows; this model's MLA uses RoPE (mla_use_nope = false)")
-        for name, value in (("max_batch", max_batch), ("max_context", max_context), ("prefill_chunk", prefill_chunk)):
+        for name, value in (("max_batch", max_batch), ("max_context", max_context), ("prefill_chunk", prefill_chunk),
+                            ("prefill_tokens", prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
-        self.max_context, self.prefill_chunk = max_context, prefill_chunk
+        self.max_context, self.prefill_chunk, self.prefill_tokens = max_context, prefill_chunk, prefill_tokens
         self.on_idle, self.idle_s = on_idle, idle_s
         self.prefix_cache = PrefixCache(prefix_cache_bytes, prefill_chunk)
         if vocab_size is not None and not 1 <= vocab_size <= model.config.vocab_size:
@@ -307,11 +315,11 @@ class Engine:
                     self._prefilling.append(seq)
             self._lock.notify_all()
             prefilling = list(self._prefilling)
-        budget = self.prefill_chunk
-        for seq in prefilling:  # about `prefill_chunk` prompt positions per step, over as many prompts as they cover
-            budget -= self._prefill_chunk(seq)
-            if budget <= 0:
-                break
+        budget = self.prefill_tokens  # one chunk of each of the oldest prompts, about this many positions in all
+        while prefilling and budget > 0:
+            group = self._prefill_group(prefilling, budget)
+            prefilling = [seq for seq in prefilling if all(seq is not g for g in group)]
+            budget -= self._prefill_chunk(group)
         if self._running:
             self._decode_step()
         if not work:  # on_idle is set and nothing arrived for idle_s seconds
@@ -330,9 +338,10 @@ class Engine:
             self._batch = self._batch.rows(keep) if keep else None
             self._running = [self._running[i] for i in keep]
 
-    def _prefill_chunk(self, seq: EngineSequence) -> int:
-        """Prefill `seq`'s prompt up to its next chunk boundary (a prompt with media: all of it in one call); returns
-        the positions prefilled."""
+    def _next_chunk(self, seq: EngineSequence) -> tuple[int, int]:
+        """The positions [start, end) of `seq`'s prompt that its next prefill call takes: up to the next chunk
+        boundary (a prompt with media: all of it in one call). The first call finds its cache: a stored prefix's
+        state, or a new one."""
         if seq.cache is None:
             seq.cache = None if seq.params.prompt_logprobs is not None or seq.media else \
                 self.prefix_cache.longest(seq.prompt_ids)
@@ -340,13 +349,41 @@ class Engine:
                 seq.cache = self.model.make_cache(1, capacity=len(seq.prompt_ids) + 1)
             seq.prefilled = seq.cached_tokens = seq.cache.length
             seq.prompt_logprobs = [None]
-        boundary = (seq.prefilled // self.prefill_chunk + 1) * self.prefill_chunk
-        end = len(seq.prompt_ids) if seq.media else min(boundary, len(seq.prompt_ids))  # whole chunks, so the
-        # calls (and their rounding) are the same whatever else runs and whether a prefix came from the cache
-        start, ids = seq.prefilled, torch.tensor([seq.prompt_ids[seq.prefilled:end]])
-        keep = 0 if seq.params.prompt_logprobs is not None else 1  # the prompt's logits only where they are asked for
-        logits_TV = self.model(ids, cache=seq.cache, validate=False, logits_to_keep=keep,
-                               **seq.media).logits[0, :, :self.vocab_size]
+        boundary = (seq.prefilled // self.prefill_chunk + 1) * self.prefill_chunk  # whole chunks: a prompt's calls
+        # are the same whether or not its prefix came from the cache
+        return seq.prefilled, len(seq.prompt_ids) if seq.media else min(boundary, len(seq.prompt_ids))
+
+    def _prefill_group(self, prefilling: list[EngineSequence], budget: int) -> list[EngineSequence]:
+        """The oldest prompt in `prefilling` and the others whose next chunk has the same positions (so one call
+        takes them as rows of a batch, no padding), as many as `budget` positions hold; prompts with media alone."""
+        first = prefilling[0]
+        chunk, keep = self._next_chunk(first), first.params.prompt_logprobs is None
+        group = [first]
+        for seq in [] if first.media else prefilling[1:]:
+            if (len(group) + 1) * (chunk[1] - chunk[0]) > budget:
+                break
+            if not seq.media and (seq.params.prompt_logprobs is None) == keep and self._next_chunk(seq) == chunk:
+                group.append(seq)
+        return group
+
+    def _prefill_chunk(self, group: list[EngineSequence]) -> int:
+        """Prefill the next chunk of each prompt in `group` (`_prefill_group`: the same positions) in one call;
+        returns the positions prefilled."""
+        start, end = self._next_chunk(group[0])
+        cache = group[0].cache if len(group) == 1 else K3Cache.join([seq.cache for seq in group])
+        ids = torch.tensor([seq.prompt_ids[start:end] for seq in group])
+        keep = 0 if group[0].params.prompt_logprobs is not None else 1  # the prompt's logits only where asked for
+        logits_BTV = self.model(ids, cache=cache, validate=False, logits_to_keep=keep,
+                                **group[0].media).logits[..., :self.vocab_size]
+        for i, seq in enumerate(group):
+            if len(group) > 1:
+                seq.cache = cache.rows([i])
+            self._prefilled(seq, end, logits_BTV[i])
+        return len(group) * (end - start)
+
+    def _prefilled(self, seq: EngineSequence, end: int, logits_TV: torch.Tensor) -> None:
+        """`seq`'s prompt is prefilled up to `end`, with these logits: store the prefix, and at the prompt's end
+        sample its first token and move it into the running batch."""
         if seq.params.prompt_logprobs is not None:
             targets = seq.prompt_ids[seq.prefilled + 1: end + 1]
             seq.prompt_logprobs += _logprobs(logits_TV[: len(targets)], targets, seq.params.prompt_logprobs)
@@ -354,7 +391,7 @@ class Engine:
         if not seq.media and end % self.prefill_chunk == 0:
             self.prefix_cache.store(seq.prompt_ids[:end], seq.cache)
         if end < len(seq.prompt_ids):
-            return end - start
+            return
         if seq.params.prompt_logprobs is not None:
             seq.emit(Event(prompt_logprobs=seq.prompt_logprobs))
         if seq.params.max_tokens > 0:
@@ -367,7 +404,6 @@ class Engine:
                 cache, seq.cache = seq.cache, None
                 self._batch = cache if self._batch is None else K3Cache.join([self._batch, cache])
                 self._running.append(seq)
-        return end - start
 
     def _decode_step(self) -> None:
         """One token for every running sequence, in one model call."""

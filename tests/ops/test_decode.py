@@ -256,6 +256,30 @@ def test_moe_routed_rows_equal_their_one_row_calls(form):
     assert torch.equal(r, alone)
 
 
+@pytest.mark.parametrize("form", ["fp32", "mxfp4"])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_moe_routed_is_the_same_on_any_number_of_threads(form, rows):
+    """The routed experts' tasks (whole experts, or slices of each where there are fewer experts than twice the
+    threads: 1 token on 5 threads, 2 experts in 5 slices) give the same output bit for bit on 1, 2 and 5 threads."""
+    D, L, M, E = 37, 64, 96, 5
+    x, z = randn(rows, D, seed=1), randn(rows, L, seed=2)
+    gate, bias = randn(E, D, seed=3), 0.1 * randn(E, seed=7)
+    shapes = ((4, (M, L)), (5, (M, L)), (6, (L, M)))
+    if form == "mxfp4":
+        experts = [MXFP4Weight(E, *shape).quantize_(randn(E, *shape, seed=seed)) for seed, shape in shapes]
+    else:
+        experts = [randn(E, *shape, seed=seed) for seed, shape in shapes]
+    previous, outputs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 5):
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                outputs.append(decode.moe_routed(x, z, gate, bias, *experts, 2, True, 2.5, (4.0, 25.0)))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(outputs[0], out) for out in outputs[1:])
+
+
 @pytest.mark.parametrize("C", LATENT_C)
 def test_bf16_mla_step_is_the_fp32_step_rounded_once(C):
     """Absorbed MLA over a bf16 latent cache with a bf16 kv_b weight and gate: the fp32 step on the widened values

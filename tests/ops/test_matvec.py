@@ -29,8 +29,9 @@ def test_few_rows_without_grad_match_f_linear(shape):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_row_is_its_one_row_product_exactly(dtype):
-    """1 to `MAX_ROWS` rows (every tiling of the inputs: tiles of 3, 2 and 1) by 301 weight rows (tiles of 4 and a
-    remainder) of width 203 (not whole vectors): each output row equals that row's own one-row product bit for bit
+    """1 to `MAX_ROWS` rows (every tiling of the inputs: up to 6 one weight row at a time, then tiles of 3, 2 and 1)
+    by 301 weight rows (tiles of 4 and a remainder) of width 203 (not whole vectors): each output row equals that
+    row's own one-row product bit for bit
     (a sequence decodes the same alone or batched), and `F.linear` to rounding."""
     w = randn(301, 203, seed=1, dtype=dtype)
     for rows in range(1, matvec.MAX_ROWS + 1):

@@ -16,6 +16,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -36,7 +37,6 @@ using k3::sigmoid;
 using k3::typed;
 
 using k3::inverse_norm;
-using k3::kExpertRows;
 
 // RMSNorm / L2 normalisation over the last axis (k3.ops.norm): y = x / sqrt(mean(x²) + ε) (`mean`) or
 // x / sqrt(Σ x² + ε), times `weight` [C] when given (read as stored); in x's dtype with a weight (RMSNorm), fp32
@@ -278,6 +278,12 @@ class ExpertWeight {
 
   // activation rows [A, in] fp32 in the layout `rows` reads: as given (dense), even then odd elements (MXFP4)
   torch::Tensor layout(const torch::Tensor &x) const { return scale_ ? k3::mxfp4::split_even_odd(x) : x; }
+  // one row x [in] in that layout: x itself (dense), or its even then odd elements written to `scratch`
+  const float *layout_row(const float *x, int64_t in, float *scratch) const {
+    if (!scale_) return x;
+    for (int64_t j = 0; j < in / 2; ++j) scratch[j] = x[2 * j], scratch[in / 2 + j] = x[2 * j + 1];
+    return scratch;
+  }
 
   // y[t][i] = (row `row` + i of the flattened [E·out, in]) · x[t] for i < n and the T rows x[t] in `layout`
   void rows(int64_t row, int64_t n, const float *const *x, int64_t T, float *const *y) const {
@@ -305,6 +311,13 @@ class ExpertWeight {
   c10::optional<torch::Tensor> scale_;
 };
 
+// a pause inside a spin-wait (x86: frees the core's pipeline for its other hardware thread)
+inline void relax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
 torch::Tensor moe_routed(const torch::Tensor &x_in, const torch::Tensor &z_in, const torch::Tensor &gate_w,
                          const torch::Tensor &bias_in, const ExpertWeight &w1, const ExpertWeight &w3,
                          const ExpertWeight &w2, int64_t k, bool renormalize, double scaling, bool situ, double beta1,
@@ -324,42 +337,53 @@ torch::Tensor moe_routed(const torch::Tensor &x_in, const torch::Tensor &z_in, c
   std::vector<float> h(A * M), u(A * M), y(A * L);
   const auto zl = w1.layout(z);
   const float *zp = zl.data_ptr<float>();
-  const auto groups = by_expert(chosen);
-  // a task: kExpertRows rows of one expert's weight, taken with every token routed to that expert while they are in
-  // cache (a batch's tokens share experts: each expert's weights are read once per call, not once per token)
-  const int64_t up_blocks = (M + kExpertRows - 1) / kExpertRows, down_blocks = (L + kExpertRows - 1) / kExpertRows;
-  at::parallel_for(0, groups.size() * up_blocks, 1, [&](int64_t begin, int64_t end) {  // gate and up rows
+  auto groups = by_expert(chosen);
+  std::stable_sort(groups.begin(), groups.end(), [](const auto &a, const auto &b) { return a.size() > b.size(); });
+  const Activation act{situ, static_cast<float>(beta1), static_cast<float>(beta2)};
+  const int64_t G = groups.size(), threads = at::get_num_threads();
+  // each expert's rows in `slices` tasks: one, unless there are fewer experts than twice the threads (one token)
+  const int64_t slices =
+      std::clamp<int64_t>((2 * threads + G - 1) / std::max<int64_t>(G, 1), 1, std::max<int64_t>(1, L / 8));
+  std::vector<float> laid(w2.packed() ? A * M : 0);  // the activations in w2's layout (MXFP4: even, then odd)
+  std::vector<std::atomic<int64_t>> pending(G);  // each expert's up slices not yet done + 1 until its activation is
+  for (auto &p : pending) p.store(slices + 1);
+  std::atomic<int64_t> next{0};
+  // the tasks: every expert's gate and up slices (the experts with the most tokens first), then their down slices;
+  // each thread takes the next task when done. The last of an expert's up slices applies the activation; a down
+  // slice waits for it (it was taken by then, so nothing waits forever).
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<const float *> xs;
-    std::vector<float *> hs, us;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t m0 = (t % up_blocks) * kExpertRows, n = std::min(kExpertRows, M - m0);
-      const auto &group = groups[t / up_blocks];
-      xs.clear(), hs.clear(), us.clear();
+    std::vector<float *> outs, us;
+    for (int64_t task = next++; task < 2 * G * slices; task = next++) {
+      const bool down = task >= G * slices;
+      const int64_t g = (task % (G * slices)) / slices, s = task % slices, rows = down ? L : M;
+      const int64_t r0 = s * rows / slices, r1 = (s + 1) * rows / slices;
+      const auto &group = groups[g];
+      const int64_t id = chosen[group[0]].id, T = group.size();
+      xs.clear(), outs.clear(), us.clear();
+      if (down) {
+        while (pending[g].load(std::memory_order_acquire) > 0) relax();
+        for (const int64_t a : group) {
+          xs.push_back(w2.packed() ? laid.data() + a * M : h.data() + a * M);
+          outs.push_back(y.data() + a * L + r0);
+        }
+        w2.rows(id * L + r0, r1 - r0, xs.data(), T, outs.data());
+        continue;
+      }
       for (const int64_t a : group) {
         xs.push_back(zp + chosen[a].row * L);
-        hs.push_back(h.data() + a * M + m0);
-        us.push_back(u.data() + a * M + m0);
+        outs.push_back(h.data() + a * M + r0);
+        us.push_back(u.data() + a * M + r0);
       }
-      const int64_t id = chosen[group[0]].id, T = group.size();
-      w1.rows(id * M + m0, n, xs.data(), T, hs.data());
-      w3.rows(id * M + m0, n, xs.data(), T, us.data());
-    }
-  });
-  glu(h.data(), u.data(), A * M, {situ, static_cast<float>(beta1), static_cast<float>(beta2)});
-  const auto hl = w2.layout(torch::from_blob(h.data(), {A, M}, torch::kFloat));
-  const float *hp = hl.data_ptr<float>();
-  at::parallel_for(0, groups.size() * down_blocks, 1, [&](int64_t begin, int64_t end) {  // down rows
-    std::vector<const float *> xs;
-    std::vector<float *> ys;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t l0 = (t % down_blocks) * kExpertRows, n = std::min(kExpertRows, L - l0);
-      const auto &group = groups[t / down_blocks];
-      xs.clear(), ys.clear();
-      for (const int64_t a : group) {
-        xs.push_back(hp + a * M);
-        ys.push_back(y.data() + a * L + l0);
+      w1.rows(id * M + r0, r1 - r0, xs.data(), T, outs.data());
+      w3.rows(id * M + r0, r1 - r0, xs.data(), T, us.data());
+      if (pending[g].fetch_sub(1, std::memory_order_acq_rel) == 2) {  // the expert's last up slice: its activation
+        for (const int64_t a : group) {
+          glu(h.data() + a * M, u.data() + a * M, M, act);
+          w2.layout_row(h.data() + a * M, M, laid.data() + a * M);
+        }
+        pending[g].store(0, std::memory_order_release);
       }
-      w2.rows(chosen[group[0]].id * L + l0, n, xs.data(), group.size(), ys.data());
     }
   });
   auto out = torch::zeros({N, L}, x.options());

@@ -165,12 +165,33 @@ inline void rows_dot_inputs(const T *w, int64_t in, const float *const *x, int64
   }
 }
 
-// y[m][r] = Σ_j W[r·in + j] x[m][j] for the `rows` consecutive rows of W and the M rows x[m]: tiles of kTileRows
-// weight rows, each read from memory once (by its first tile of inputs, which prefetches the next rows) and taken
-// with every input while in cache
+constexpr int64_t kStreamInputs = 6;  // up to this many inputs, rows_dot_many takes the weight rows one at a time
+
+// rows_dot_tile of the one weight row at w and the M ≤ kStreamInputs inputs x[0..M), into y[m][col]
+template <typename T>
+inline void row_dot_inputs(const T *w, int64_t in, const float *const *x, int64_t M, float *const *y, int64_t col) {
+  switch (M) {
+    case 1: return rows_dot_tile<1, 1, false>(w, in, x, y, col);
+    case 2: return rows_dot_tile<1, 2, false>(w, in, x, y, col);
+    case 3: return rows_dot_tile<1, 3, false>(w, in, x, y, col);
+    case 4: return rows_dot_tile<1, 4, false>(w, in, x, y, col);
+    case 5: return rows_dot_tile<1, 5, false>(w, in, x, y, col);
+    default: return rows_dot_tile<1, 6, false>(w, in, x, y, col);
+  }
+}
+
+// y[m][r] = Σ_j W[r·in + j] x[m][j] for the `rows` consecutive rows of W and the M rows x[m]. One input: rows_dot.
+// A few (2 to kStreamInputs): one weight row after another with all inputs, the products bound by the weight traffic
+// and the weights read in address order, one stream the hardware prefetches well (a MoE call of 16 tokens, about 2
+// per expert: 1.085x the time of tiles of 4 rows, measured). More: tiles of kTileRows weight rows, each read from
+// memory once (by its first tile of inputs, which prefetches the next rows) and taken with every input while in cache.
 template <typename T>
 inline void rows_dot_many(const T *W, int64_t rows, int64_t in, const float *const *x, int64_t M, float *const *y) {
   if (M == 1) return rows_dot(W, rows, in, x[0], y[0]);  // one input: eight weight streams in flight, not four
+  if (M <= kStreamInputs) {
+    for (int64_t r = 0; r < rows; ++r) row_dot_inputs(W + r * in, in, x, M, y, r);
+    return;
+  }
   int64_t r = 0;
   for (; r + kTileRows <= rows; r += kTileRows) rows_dot_inputs<kTileRows, true>(W + r * in, in, x, M, y, r);
   for (; r < rows; ++r) rows_dot_inputs<1, false>(W + r * in, in, x, M, y, r);

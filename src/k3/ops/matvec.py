@@ -2,8 +2,9 @@
 
 A one-token step multiplies one row (or one per sequence) by every weight it uses once; its time is the weights'
 memory traffic. PyTorch's matrix–vector path streamed fp32 weights at 5–11 GB/s on a 2-core VM; the kernel reads
-each weight row once and takes its dot products with every row of x while it is in cache, in register tiles of 4
-weight rows × up to 3 rows of x, with the output rows split over the threads (15–21 GB/s; 16 rows of x by k3-small's
+each weight row once and takes its dot products with every row of x while it is in cache (2 to 6 rows of x: one
+weight row after another; more: register tiles of 4 weight rows × up to 3 rows of x), with the output rows split
+over the threads (15–21 GB/s; 16 rows of x by k3-small's
 32,768 × 512 lm_head in 4.9 ms, against 13.1 ms for `F.linear`, EPYC). It serves CPU calls without autograd and
 with at most `MAX_ROWS` rows whose input and weight are both fp32 or both bf16: bf16 weights are read as stored
 (half the bytes) and widened exactly, the sums are fp32, and a bf16 product is rounded once, as `F.linear`'s dtype

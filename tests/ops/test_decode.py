@@ -21,6 +21,17 @@ def randn(*shape, seed=0, scale=1.0, dtype=torch.float32):
     return (scale * x).to(dtype)
 
 
+@contextlib.contextmanager
+def num_threads(n: int):
+    """torch's intra-op threads set to n inside, restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 200), (2, 1, 37), (4, 64), (3,)])
 @pytest.mark.parametrize("mean", [True, False])
 @pytest.mark.parametrize("gain", [True, False])
@@ -120,14 +131,9 @@ def test_mla_step_matches_the_formula_over_long_caches(threads, H, C):
     q_lat = torch.cat([torch.einsum("bhn,hnc->bhc", q[:, 0, :, :N].double(), W[:, :N]), q[:, 0, :, N:].double()], -1)
     p = torch.softmax(torch.einsum("bhl,bsl->bhs", q_lat, latent[:, :S].double()) * 0.25, -1)
     o = torch.einsum("bhc,hvc->bhv", torch.einsum("bhs,bsc->bhc", p, latent[:, :S, :C].double()), W[:, N:])
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.no_grad():
-            plain = decode.mla_step(q, latent, S, kv_b, N, Vh, None, 0.25)
-            gated = decode.mla_step(q, latent, S, kv_b, N, Vh, gate, 0.25)
-    finally:
-        torch.set_num_threads(previous)
+    with num_threads(threads), torch.no_grad():
+        plain = decode.mla_step(q, latent, S, kv_b, N, Vh, None, 0.25)
+        gated = decode.mla_step(q, latent, S, kv_b, N, Vh, gate, 0.25)
     torch.testing.assert_close(plain.double(), o.reshape(B, H * Vh), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gated.double(), (o.reshape(B, H * Vh) * torch.sigmoid(gate[:, 0].double())),
                                rtol=1e-5, atol=1e-6)
@@ -237,11 +243,10 @@ def test_moe_routed_with_mxfp4_experts_equals_their_decoded_weights(rows, dtype)
                                atol=(1e-5 if dtype == torch.float32 else 2 ** -7) * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("form", ["fp32", "mxfp4"])
-def test_moe_routed_rows_equal_their_one_row_calls(form):
-    """16 rows over 3 experts, top 2 (10 or so tokens per expert: tiles of 3 and 2, more than one MXFP4 pass of 8):
-    each row's output equals the same row routed alone, bit for bit."""
-    D, L, M, E, rows = 37, 64, 96, 3, 16
+def routed_inputs(form: str, rows: int, E: int):
+    """x [rows, 37], z [rows, 64], the router's weight and bias, and the experts' w1, w3 [E, 96, 64] and w2 [E, 64,
+    96] of a routed-experts call, dense fp32 or MXFP4 (`form`; L 64 and M 96: whole MXFP4 groups)."""
+    D, L, M = 37, 64, 96
     x, z = randn(rows, D, seed=1), randn(rows, L, seed=2)
     gate, bias = randn(E, D, seed=3), 0.1 * randn(E, seed=7)
     shapes = ((4, (M, L)), (5, (M, L)), (6, (L, M)))
@@ -249,6 +254,15 @@ def test_moe_routed_rows_equal_their_one_row_calls(form):
         experts = [MXFP4Weight(E, *shape).quantize_(randn(E, *shape, seed=seed)) for seed, shape in shapes]
     else:
         experts = [randn(E, *shape, seed=seed) for seed, shape in shapes]
+    return x, z, gate, bias, experts
+
+
+@pytest.mark.parametrize("form", ["fp32", "mxfp4"])
+def test_moe_routed_rows_equal_their_one_row_calls(form):
+    """16 rows over 3 experts, top 2 (10 or so tokens per expert: tiles of 3 and 2, more than one MXFP4 pass of 8):
+    each row's output equals the same row routed alone, bit for bit."""
+    rows = 16
+    x, z, gate, bias, experts = routed_inputs(form, rows, E=3)
     with torch.no_grad():
         r = decode.moe_routed(x, z, gate, bias, *experts, 2, True, 2.5, (4.0, 25.0))
         alone = torch.cat([decode.moe_routed(x[i:i + 1], z[i:i + 1], gate, bias, *experts, 2, True, 2.5, (4.0, 25.0))
@@ -261,22 +275,11 @@ def test_moe_routed_rows_equal_their_one_row_calls(form):
 def test_moe_routed_is_the_same_on_any_number_of_threads(form, rows):
     """The routed experts' tasks (whole experts, or slices of each where there are fewer experts than twice the
     threads: 1 token on 5 threads, 2 experts in 5 slices) give the same output bit for bit on 1, 2 and 5 threads."""
-    D, L, M, E = 37, 64, 96, 5
-    x, z = randn(rows, D, seed=1), randn(rows, L, seed=2)
-    gate, bias = randn(E, D, seed=3), 0.1 * randn(E, seed=7)
-    shapes = ((4, (M, L)), (5, (M, L)), (6, (L, M)))
-    if form == "mxfp4":
-        experts = [MXFP4Weight(E, *shape).quantize_(randn(E, *shape, seed=seed)) for seed, shape in shapes]
-    else:
-        experts = [randn(E, *shape, seed=seed) for seed, shape in shapes]
-    previous, outputs = torch.get_num_threads(), []
-    try:
-        for threads in (1, 2, 5):
-            torch.set_num_threads(threads)
-            with torch.no_grad():
-                outputs.append(decode.moe_routed(x, z, gate, bias, *experts, 2, True, 2.5, (4.0, 25.0)))
-    finally:
-        torch.set_num_threads(previous)
+    x, z, gate, bias, experts = routed_inputs(form, rows, E=5)
+    outputs = []
+    for threads in (1, 2, 5):
+        with num_threads(threads), torch.no_grad():
+            outputs.append(decode.moe_routed(x, z, gate, bias, *experts, 2, True, 2.5, (4.0, 25.0)))
     assert all(torch.equal(outputs[0], out) for out in outputs[1:])
 
 

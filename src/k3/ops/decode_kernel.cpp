@@ -278,12 +278,6 @@ class ExpertWeight {
 
   // activation rows [A, in] fp32 in the layout `rows` reads: as given (dense), even then odd elements (MXFP4)
   torch::Tensor layout(const torch::Tensor &x) const { return scale_ ? k3::mxfp4::split_even_odd(x) : x; }
-  // one row x [in] in that layout: x itself (dense), or its even then odd elements written to `scratch`
-  const float *layout_row(const float *x, int64_t in, float *scratch) const {
-    if (!scale_) return x;
-    for (int64_t j = 0; j < in / 2; ++j) scratch[j] = x[2 * j], scratch[in / 2 + j] = x[2 * j + 1];
-    return scratch;
-  }
 
   // y[t][i] = (row `row` + i of the flattened [E·out, in]) · x[t] for i < n and the T rows x[t] in `layout`
   void rows(int64_t row, int64_t n, const float *const *x, int64_t T, float *const *y) const {
@@ -380,7 +374,7 @@ torch::Tensor moe_routed(const torch::Tensor &x_in, const torch::Tensor &z_in, c
       if (pending[g].fetch_sub(1, std::memory_order_acq_rel) == 2) {  // the expert's last up slice: its activation
         for (const int64_t a : group) {
           glu(h.data() + a * M, u.data() + a * M, M, act);
-          w2.layout_row(h.data() + a * M, M, laid.data() + a * M);
+          if (w2.packed()) k3::mxfp4::split_even_odd(h.data() + a * M, M, laid.data() + a * M);
         }
         pending[g].store(0, std::memory_order_release);
       }

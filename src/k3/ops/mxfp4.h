@@ -97,10 +97,19 @@ inline void row_dot(const uint8_t *packed, const uint8_t *scale, int64_t in, con
 #endif
 }
 
-// x [A, in] fp32 -> [A, 2, in/2]: each row's even elements, then its odd ones (what `row_dot` reads)
+// one row x [in] -> out [in]: its even elements, then its odd ones (what `row_dot` reads)
+inline void split_even_odd(const float *x, int64_t in, float *out) {
+  for (int64_t j = 0; j < in / 2; ++j) out[j] = x[2 * j], out[in / 2 + j] = x[2 * j + 1];
+}
+
+// x [A, in] contiguous fp32 -> [A, in]: each row split as above
 inline torch::Tensor split_even_odd(const torch::Tensor &x) {
   const int64_t in = x.size(-1), A = x.numel() / in;
-  return x.reshape({A, in / 2, 2}).transpose(1, 2).contiguous();
+  auto out = torch::empty({A, in}, x.options());
+  const float *xp = x.data_ptr<float>();
+  float *op = out.data_ptr<float>();
+  for (int64_t a = 0; a < A; ++a) split_even_odd(xp + a * in, in, op + a * in);
+  return out;
 }
 
 }  // namespace k3::mxfp4

@@ -47,7 +47,7 @@ torch::Tensor expert_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor
     for (int64_t c = 0; c < cp[e]; c += kMaxRows) blocks.push_back({e, a + c, std::min(kMaxRows, cp[e] - c)});
     TORCH_CHECK(e < E - 1 || a + cp[e] == A, "mxfp4 kernel: the counts do not add up to the rows");
   }
-  // the rows of x split into even and odd elements: xs [A, 2, in/2]
+  // the rows of x split into even and odd elements: xs [A, in]
   auto xs = k3::mxfp4::split_even_odd(x);
   auto y = torch::empty({A, out}, x.options());
   const float *e8m0 = e8m0_table();

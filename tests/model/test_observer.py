@@ -19,8 +19,9 @@ class Counter(ForwardObserver):
         assert isinstance(gate, MoEGate) and not scores_NE.requires_grad
         self.routing.append((id(gate), idx_Nk.clone()))
 
-    def on_attention(self, mla, x_BTD, document_ids_BT):
-        assert isinstance(mla, GatedMLA) and not x_BTD.requires_grad
+    def on_attention(self, mla, x_BTD, latent_BSL, document_ids_BS):
+        assert isinstance(mla, GatedMLA) and not x_BTD.requires_grad and not latent_BSL.requires_grad
+        assert latent_BSL.shape[:2] == x_BTD.shape[:2]  # one whole sequence: its own latents
         self.attention.append((id(mla), x_BTD.clone()))
 
 

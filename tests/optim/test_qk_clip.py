@@ -55,6 +55,21 @@ def test_max_logits_respect_documents(mla_and_input):
     torch.testing.assert_close(mla_max_logits(mla, x, document_ids), separate, rtol=1e-5, atol=1e-5)
 
 
+def test_max_logits_over_earlier_keys_and_in_blocks(mla_and_input):
+    """Queries at the end of longer keys (a context-parallel shard after the earlier shards' latents) score against
+    every earlier key; blocks smaller than the sequence (whole, ragged, one position) give the same maximum (to the
+    rounding of products of other shapes)."""
+    mla, x = mla_and_input
+    logits = all_logits(mla, x)
+    latent = mla.compress_kv(x)
+    torch.testing.assert_close(mla_max_logits(mla, x[:, 5:], latent_BSL=latent),
+                               logits[:, :, 5:].amax(dim=(0, 2, 3)), rtol=1e-5, atol=1e-5)
+    documents = torch.tensor([[0] * 4 + [1] * 5] * 2)
+    for block in (1, 2, 4):
+        for args in ((x,), (x, documents), (x[:, 5:], documents, latent)):
+            torch.testing.assert_close(mla_max_logits(mla, *args, block=block), mla_max_logits(mla, *args), rtol=1e-6, atol=0)
+
+
 def test_clip_bounds_logits_and_leaves_the_rest_bit_identical(mla_and_input):
     """τ = 100: the clipped heads 0 and 1 end at τ (every logit × γ); the unclipped head's rows, the v rows,
     kv_a_proj_with_mqa, q_a_proj and everything else are bit-identical."""

@@ -90,6 +90,43 @@ def test_context_parallel_equals_one_process(ranks, dtype, k2, packed):
             assert (rank_grads[name] - g).abs().max().item() <= tol * max(scale, 1e-3), name
 
 
+def max_logits(model, shard) -> dict[int, torch.Tensor]:
+    """QK-Clip's per-head MLA max logits of one training forward (`MaxLogitRecorder`)."""
+    from k3.model.observer import attach, detach
+    from k3.optim import MaxLogitRecorder
+
+    recorder = MaxLogitRecorder(model)
+    hosts = attach(recorder, model)
+    model(shard["input_ids"], document_ids=shard.get("document_ids"))
+    detach(recorder, hosts)
+    return recorder.pop()
+
+
+def max_logit_rank(rank, world_size, packed):
+    import torch.distributed as dist
+
+    from k3.parallel.context import apply_context_parallel, shard_batch
+
+    found = max_logits(apply_context_parallel(build(torch.float64), dist.group.WORLD),
+                       shard_batch(rows(packed), rank, world_size))
+    for m_H in found.values():
+        dist.all_reduce(m_H, op=dist.ReduceOp.MAX)  # what the trainer does over its ranks
+    return found
+
+
+@pytest.mark.parametrize("ranks,packed", [(2, False), (4, True)])
+def test_qk_clip_max_logits_cover_the_pairs_across_ranks(ranks, packed):
+    """Each rank's queries are scored against every earlier rank's keys too, so the maximum over the ranks is one
+    process's (with only each shard's own pairs, some heads' maxima would be lower: their largest pair crosses)."""
+    from k3.parallel.context import shard_batch
+
+    expected = max_logits(build(torch.float64), shard_batch(rows(packed), 0, 1))
+    for found in run_ranks(max_logit_rank, ranks, packed, timeout=180):
+        assert found.keys() == expected.keys()
+        for i, m_H in expected.items():
+            torch.testing.assert_close(found[i], m_H, rtol=1e-10, atol=1e-10)
+
+
 def test_shards_score_every_next_token_once():
     from k3.ops.loss import next_token_targets
     from k3.parallel.context import shard_batch

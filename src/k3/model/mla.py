@@ -92,8 +92,6 @@ class GatedMLA(nn.Module):
         (§4.2).
         """
         ctx = ctx or StepContext()
-        for observer in ctx.observers:  # QK-Clip's max logits (§8.6)
-            observer.on_attention(self, x_BTD.detach(), ctx.document_ids_BT)
         T = x_BTD.shape[1]
         latent_BSL = self.compress_kv(x_BTD, ctx.start)
         if cache is not None:
@@ -101,6 +99,8 @@ class GatedMLA(nn.Module):
             latent_BSL = cache.latent_BSL[:, : ctx.start + T]
         # a context-parallel shard: with the earlier shards' latents (and their documents)
         latent_BSL, document_ids_BS = ctx.sequence.keys(latent_BSL, ctx.document_ids_BT)
+        for observer in ctx.observers:  # QK-Clip's max logits over the pairs this layer scores (§8.6)
+            observer.on_attention(self, x_BTD.detach(), latent_BSL.detach(), document_ids_BS)
         q_nope_BTHK, q_pe_BTHR = self.project_query(x_BTD, ctx.start)
         absorbed = cache is not None and T <= self.absorbed_max_tokens
         attend = self.attend_absorbed if absorbed else self.attend_expanded

@@ -22,9 +22,12 @@ class ForwardObserver:
         """A router (`MoEGate`) chose experts: detached fp32 unbiased sigmoid scores [N, E], selection scores
         (scores + bias, after any group limit) [N, E] and the chosen indices [N, k]."""
 
-    def on_attention(self, mla: nn.Module, x_BTD: torch.Tensor, document_ids_BT: torch.Tensor | None) -> None:
-        """A `GatedMLA` layer runs on the (detached) `input_layernorm` output `x_BTD`; `document_ids_BT` marks
-        packed documents (None: one sequence per row)."""
+    def on_attention(self, mla: nn.Module, x_BTD: torch.Tensor, latent_BSL: torch.Tensor,
+                     document_ids_BS: torch.Tensor | None) -> None:
+        """A `GatedMLA` layer attends from the (detached) `input_layernorm` output `x_BTD`, its queries, over the
+        (detached) latents `latent_BSL` [ĉ ‖ k_pe] of every position it sees, the queries' own last: S = T for a
+        whole sequence, S > T for a context-parallel shard (the earlier shards' latents first). `document_ids_BS`
+        marks the keys' packed documents (None: one sequence per row)."""
 
 
 class Observable:

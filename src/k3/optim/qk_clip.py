@@ -5,6 +5,7 @@ Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architectur
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping
 
@@ -13,7 +14,6 @@ import torch.distributed as dist
 from torch import nn
 
 from k3.model.mla import GatedMLA
-from k3.ops.attention import attention_mask
 from k3.model.observer import ForwardObserver
 from k3.ops.precision import fp32
 
@@ -97,32 +97,41 @@ def _scale_rows_(W_RX: torch.Tensor, factor_R: torch.Tensor) -> None:
 
 
 @torch.no_grad()  # a statistic of the step: no autograd graph for the recomputed projections and scores
-def mla_max_logits(mla: GatedMLA, x_BTD: torch.Tensor, document_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+def mla_max_logits(mla: GatedMLA, x_BTD: torch.Tensor, document_ids_BS: torch.Tensor | None = None,
+                   latent_BSL: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
     """Per-head max pre-softmax logit [H] (fp32) of one MLA layer on its input x (§8.6 step 1).
 
-    x is the layer's `input_layernorm` output [B, T, D]. Logits are [q_nope ‖ q_pe]·[k_nope ‖ k_pe] / sqrt(N + R)
-    over causal pairs (key ≤ query), within a document when `document_ids_BT` (packed rows) is given; the max
-    runs over batch, queries and keys. Recomputes the scores from the module's own projections, so it costs one
-    extra QKᵀ per layer: one row at a time, every head's [T, T] scores in one product that adds −inf to the
-    pairs left out (the scores of a row stay in cache; no mask pass).
+    x is the layer's `input_layernorm` output [B, T, D]: the queries, at positions S − T.. of the keys. The keys are
+    the latents [ĉ ‖ k_pe] the layer attends over, `latent_BSL` [B, S, C + R] (a context-parallel shard: every
+    earlier shard's too); None: x's own (S = T). Logits are [q_nope ‖ q_pe]·[k_nope ‖ k_pe] / sqrt(N + R) over
+    causal pairs (key ≤ query), within a document when `document_ids_BS` (the keys' documents, packed rows) is
+    given; the max runs over batch, queries and keys. Recomputes the scores from the module's own projections,
+    one extra QKᵀ per layer, `block` keys (expanded once) against `block` queries at a time: [H, block, block]
+    scores at any length.
     """
     cfg = mla.config
     B, T, _ = x_BTD.shape
-    H, N, R = mla.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-    q_nope_BTHK, q_pe_BTHR = mla.project_query(x_BTD)
-    c_BTc, k_pe_BTR = mla.compress_kv(x_BTD).split([cfg.kv_lora_rank, R], dim=-1)
-    k_nope_BTHK = mla.kv_b_proj(c_BTc).view(B, T, H, -1)[..., :N]
-    q_BHTQ = (fp32(torch.cat([q_nope_BTHK, q_pe_BTHR], dim=-1)) * mla.scale).transpose(1, 2).contiguous()
-    k_BTHQ = torch.cat([k_nope_BTHK, k_pe_BTR[:, :, None].expand(B, T, H, R)], dim=-1)
-    k_BHQT = fp32(k_BTHQ).permute(0, 2, 3, 1).contiguous()
-    mask_B1TT = attention_mask(T, 0, None, x_BTD.device, document_ids_BT)  # None: plain causal
-    valid_BTT = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()[None] if mask_B1TT is None \
-        else mask_B1TT[:, 0]
-    left_out_BTT = torch.zeros(valid_BTT.shape, device=x_BTD.device).masked_fill_(~valid_BTT, float("-inf"))
-    max_H = torch.full((H,), float("-inf"), device=x_BTD.device)
-    for b in range(B):  # −inf + s = −inf: the pairs left out never win
-        scores_HTT = torch.baddbmm(left_out_BTT[b % left_out_BTT.shape[0]].expand(H, T, T), q_BHTQ[b], k_BHQT[b])
-        max_H = torch.maximum(max_H, scores_HTT.view(H, -1).amax(dim=-1))
+    H, N, C = mla.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    latent_BSL = mla.compress_kv(x_BTD) if latent_BSL is None else latent_BSL
+    S = latent_BSL.shape[1]
+    first = S - T  # the first query's position
+    q_BHTQ = (fp32(torch.cat(mla.project_query(x_BTD, first), dim=-1)) * mla.scale).transpose(1, 2)
+    positions_S = torch.arange(S, device=x_BTD.device)
+    max_H = torch.full((H,), float("-inf"), dtype=q_BHTQ.dtype, device=x_BTD.device)
+    for b, s0 in itertools.product(range(B), range(0, S, block)):  # key block [s0, s1), query block [t0, t1)
+        s1 = min(s0 + block, S)
+        c_sc, k_pe_sR = latent_BSL[b, s0:s1].split([C, cfg.qk_rope_head_dim], dim=-1)
+        k_nope_sHK = mla.kv_b_proj(c_sc).view(s1 - s0, H, -1)[..., :N]
+        k_HQs = fp32(torch.cat([k_nope_sHK, k_pe_sR[:, None].expand(-1, H, -1)], dim=-1)).permute(1, 2, 0)
+        for t0 in range(first, S, block):
+            t1 = min(t0 + block, S)
+            if t1 <= s0:  # queries before every key of the block
+                continue
+            seen_ts = positions_S[None, s0:s1] <= positions_S[t0:t1, None]
+            if document_ids_BS is not None:
+                seen_ts &= document_ids_BS[b, t0:t1, None] == document_ids_BS[b, None, s0:s1]
+            scores_Hts = q_BHTQ[b, :, t0 - first: t1 - first] @ k_HQs
+            max_H = torch.maximum(max_H, scores_Hts.masked_fill(~seen_ts, float("-inf")).amax(dim=(1, 2)))
     return max_H
 
 
@@ -134,11 +143,12 @@ class MaxLogitRecorder(ForwardObserver):
         self._layer_of = {id(mla): i for i, mla in mla_layers(model).items()}
         self._max_logits: dict[int, torch.Tensor] = {}
 
-    def on_attention(self, mla: nn.Module, x_BTD: torch.Tensor, document_ids_BT: torch.Tensor | None) -> None:
+    def on_attention(self, mla: nn.Module, x_BTD: torch.Tensor, latent_BSL: torch.Tensor,
+                     document_ids_BS: torch.Tensor | None) -> None:
         i = self._layer_of.get(id(mla))
         if i is None:
             return
-        m_H = mla_max_logits(mla, x_BTD, document_ids_BT)
+        m_H = mla_max_logits(mla, x_BTD, document_ids_BS, latent_BSL)
         old = self._max_logits.get(i)
         self._max_logits[i] = m_H if old is None else torch.maximum(old, m_H)
 

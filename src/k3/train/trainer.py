@@ -174,8 +174,6 @@ class Trainer:
                         mixed_precision=self.device.type == "cuda")  # bf16 all-gathers, fp32 reduction
             if self.dist.cp > 1:
                 apply_context_parallel(self.model, self.dist.cp_mesh.get_group("cp"))
-                self._warn("--cp: QK-Clip's max logits cover the query-key pairs within each rank's share of a "
-                           "sequence, not the pairs across ranks")
         self.optimizers = make_optimizers(
             self.model, self.config, lr=args.lr, weight_decay=args.weight_decay, per_head_scope=args.muon_per_head,
             lr_scale=args.lr_scale, ns_dtype=torch.bfloat16 if self.device.type == "cuda" else torch.float32)

@@ -67,7 +67,8 @@ def test_max_logits_over_earlier_keys_and_in_blocks(mla_and_input):
     documents = torch.tensor([[0] * 4 + [1] * 5] * 2)
     for block in (1, 2, 4):
         for args in ((x,), (x, documents), (x[:, 5:], documents, latent)):
-            torch.testing.assert_close(mla_max_logits(mla, *args, block=block), mla_max_logits(mla, *args), rtol=1e-6, atol=0)
+            torch.testing.assert_close(mla_max_logits(mla, *args, block=block), mla_max_logits(mla, *args),
+                                       rtol=1e-6, atol=0)
 
 
 def test_clip_bounds_logits_and_leaves_the_rest_bit_identical(mla_and_input):

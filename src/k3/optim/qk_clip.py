@@ -15,6 +15,7 @@ from torch import nn
 
 from k3.model.mla import GatedMLA
 from k3.model.observer import ForwardObserver
+from k3.ops.attention.blocked import block_mask
 from k3.ops.precision import fp32
 
 if dist.is_available():
@@ -116,22 +117,21 @@ def mla_max_logits(mla: GatedMLA, x_BTD: torch.Tensor, document_ids_BS: torch.Te
     S = latent_BSL.shape[1]
     first = S - T  # the first query's position
     q_BHTQ = (fp32(torch.cat(mla.project_query(x_BTD, first), dim=-1)) * mla.scale).transpose(1, 2)
-    positions_S = torch.arange(S, device=x_BTD.device)
     max_H = torch.full((H,), float("-inf"), dtype=q_BHTQ.dtype, device=x_BTD.device)
     for b, s0 in itertools.product(range(B), range(0, S, block)):  # key block [s0, s1), query block [t0, t1)
         s1 = min(s0 + block, S)
         c_sc, k_pe_sR = latent_BSL[b, s0:s1].split([C, cfg.qk_rope_head_dim], dim=-1)
         k_nope_sHK = mla.kv_b_proj(c_sc).view(s1 - s0, H, -1)[..., :N]
         k_HQs = fp32(torch.cat([k_nope_sHK, k_pe_sR[:, None].expand(-1, H, -1)], dim=-1)).permute(1, 2, 0)
-        for t0 in range(first, S, block):
-            t1 = min(t0 + block, S)
-            if t1 <= s0:  # queries before every key of the block
+        for t0 in range(0, T, block):
+            t1 = min(t0 + block, T)
+            if first + t1 <= s0:  # queries before every key of the block
                 continue
-            seen_ts = positions_S[None, s0:s1] <= positions_S[t0:t1, None]
-            if document_ids_BS is not None:
-                seen_ts &= document_ids_BS[b, t0:t1, None] == document_ids_BS[b, None, s0:s1]
-            scores_Hts = q_BHTQ[b, :, t0 - first: t1 - first] @ k_HQs
-            max_H = torch.maximum(max_H, scores_Hts.masked_fill(~seen_ts, float("-inf")).amax(dim=(1, 2)))
+            scores_Hts = q_BHTQ[b, :, t0:t1] @ k_HQs
+            seen_B1ts = block_mask(t0, t1, s0, s1, first, None, document_ids_BS, x_BTD.device)  # None: all
+            if seen_B1ts is not None:
+                scores_Hts = scores_Hts.masked_fill(~seen_B1ts[b % seen_B1ts.shape[0], 0], float("-inf"))
+            max_H = torch.maximum(max_H, scores_Hts.amax(dim=(1, 2)))
     return max_H
 
 

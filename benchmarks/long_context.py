@@ -4,6 +4,7 @@
     python benchmarks/long_context.py --lengths 1k,128k    # a subset; results merge into the same file
     python benchmarks/long_context.py --quick              # 1k and 8k
     python benchmarks/long_context.py --decode-only        # the decode step alone, over filled caches (minutes)
+    python benchmarks/long_context.py --decode-only --cache-dtype both   # ... over an fp32 and a bf16 latent cache
 
 Each length runs in its own process (so its peak RSS is its own): a randomly initialised fp32 k3-long (seed 0)
 prefills random token ids `PREFILL_CHUNK` positions per call (`generate(prefill_chunk=)`: KDA states carried, MLA
@@ -40,7 +41,8 @@ def parse_length(text: str) -> int:
 
 
 def run_one(tokens: int) -> dict:
-    """Prefill `tokens` random ids and decode DECODE_TOKENS in this process; the measurements as a dict."""
+    """Prefill `tokens` random ids and decode DECODE_TOKENS in this process (fp32 model and latent cache); the
+    measurements as a dict."""
     from k3.config import K3Config
     from k3.inference.generate import PREFILL_CHUNK, generate
     from k3.model import K3ForCausalLM
@@ -73,14 +75,15 @@ def run_one(tokens: int) -> dict:
             "cpu_wait": str(cpu_wait), "machine": machine()}
 
 
-def decode_step_at(model, tokens: int, steps: int = DECODE_TOKENS) -> float:
-    """ms per greedy one-token step over a cache already `tokens` positions long: its MLA latents and KDA states
-    filled with random values (a step's cost does not depend on them), so no prefill is needed to reach the length."""
+def decode_step_at(model, tokens: int, steps: int = DECODE_TOKENS, cache_dtype: torch.dtype | None = None) -> float:
+    """ms per greedy one-token step over a cache already `tokens` positions long (its MLA latents in `cache_dtype`):
+    its MLA latents and KDA states filled with random values (a step's cost does not depend on them), so no prefill
+    is needed to reach the length."""
     from k3.inference.compiled_step import decode_one_token
     from k3.model.cache import MLACache
 
     g = torch.Generator().manual_seed(2)
-    cache = model.make_cache(1, capacity=tokens + steps + 1)
+    cache = model.make_cache(1, capacity=tokens + steps + 1, cache_dtype=cache_dtype)
     with torch.no_grad():
         for layer in cache.layers:
             if isinstance(layer, MLACache):
@@ -99,10 +102,11 @@ def decode_step_at(model, tokens: int, steps: int = DECODE_TOKENS) -> float:
     return 1e3 * (time.perf_counter() - start) / steps
 
 
-def decode_only(lengths: list[int], rounds: int) -> None:
-    """The decode column alone: one process, one model, a filled cache per length (`decode_step_at`), the lengths
-    alternating over `rounds` rounds (this machine's speed drifts by tens of percent over minutes); the median per
-    length, and the median (range) of each round's ratio to the first length."""
+def decode_only(lengths: list[int], rounds: int, cache_dtypes: list[str]) -> None:
+    """The decode column alone: one process, one model, a filled cache per length and latent dtype
+    (`decode_step_at`), all of them alternating over `rounds` rounds (this machine's speed drifts by tens of percent
+    over minutes); the median per length and dtype, and the median (range) of each round's ratio to the first length
+    over the same dtype."""
     from statistics import median
 
     from k3.config import K3Config
@@ -113,17 +117,22 @@ def decode_only(lengths: list[int], rounds: int) -> None:
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.from_preset(PRESET)).eval()
     print(f"Machine: {machine()}", flush=True)
-    cpu_wait, ms = CpuWait(), {n: [] for n in lengths}
+    cpu_wait, ms = CpuWait(), {(n, d): [] for d in cache_dtypes for n in lengths}
     for r in range(rounds):
         for tokens in lengths:
-            ms[tokens].append(decode_step_at(model, tokens))
-            print(f"  round {r + 1}: {tokens:>9,} positions {ms[tokens][-1]:.2f} ms/step", file=sys.stderr, flush=True)
+            for dtype in cache_dtypes:
+                ms[tokens, dtype].append(decode_step_at(model, tokens, cache_dtype=getattr(torch, dtype)))
+                print(f"  round {r + 1}: {tokens:>9,} positions, {dtype} latents {ms[tokens, dtype][-1]:.2f} ms/step",
+                      file=sys.stderr, flush=True)
     base = lengths[0]
     table = []
-    for n in lengths:
-        ratios = [a / b for a, b in zip(ms[n], ms[base])]
-        table.append([f"{n:,}", f"{median(ms[n]):.2f}", f"{median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"])
-    print_table(["cache positions", "decode ms/token (median)", f"vs {base:,} (rounds)"], table, "rrr")
+    for dtype in cache_dtypes:
+        for n in lengths:
+            ratios = [a / b for a, b in zip(ms[n, dtype], ms[base, dtype])]
+            table.append([f"{n:,}", dtype, f"{median(ms[n, dtype]):.2f}",
+                          f"{median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"])
+    print_table(["cache positions", "latent cache", "decode ms/token (median)", f"vs {base:,} (rounds)"], table,
+                "rlrr")
     print(f"CPU wait {cpu_wait}")
 
 
@@ -165,6 +174,9 @@ def main() -> None:
                         help="only the decode step at each length, over a cache filled with random values (no "
                              "prefill: minutes instead of an hour); prints a table, writes nothing")
     parser.add_argument("--rounds", type=int, default=5, help="with --decode-only: rounds over the lengths")
+    parser.add_argument("--cache-dtype", choices=["float32", "bfloat16", "both"], default="float32",
+                        help="with --decode-only: the MLA latent cache's dtype under the fp32 model (both: each, "
+                             "alternating)")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child process of one length
     parser.add_argument("--out", default=os.path.join(DOCS, "long-context.json"))
     args = parser.parse_args()
@@ -173,7 +185,8 @@ def main() -> None:
         return
     lengths = [1024, 8192] if args.quick else args.lengths
     if args.decode_only:
-        decode_only(lengths, args.rounds)
+        decode_only(lengths, args.rounds,
+                    ["float32", "bfloat16"] if args.cache_dtype == "both" else [args.cache_dtype])
         return
     print(f"Machine: {machine()}", flush=True)
     results = load_results(args.out)

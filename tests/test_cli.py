@@ -153,6 +153,24 @@ def test_generate_streams_the_greedy_continuation(checkpoint, capsys):
     assert out == "the quick" + tokenizer.decode([t for t in expected if t not in stops]) + "\n"
 
 
+def test_generate_over_a_bf16_latent_cache(checkpoint, capsys):
+    """`--cache-dtype bfloat16` on an fp32 checkpoint: the greedy continuation of `generate(cache_dtype=bf16)`; a
+    dtype the cache cannot hold is a usage error naming the choices."""
+    path, model, tokenizer = checkpoint
+    assert main(["generate", str(path), "--prompt", "the quick", "--max-new-tokens", "12", "--temperature", "0",
+                 "--cache-dtype", "bfloat16"]) == 0
+    ids = torch.tensor([tokenizer.encode("the quick")])
+    stops = [tokenizer.eos_token_id, tokenizer.eod_token_id]
+    expected = generate(model, ids, 12, temperature=0, eos_token_id=stops,
+                        cache_dtype=torch.bfloat16)[0, ids.shape[1]:].tolist()
+    assert capsys.readouterr().out == "the quick" + tokenizer.decode([t for t in expected if t not in stops]) + "\n"
+    for command in ("generate", "serve"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, str(path), *(["--prompt", "x"] if command == "generate" else []), "--cache-dtype", "half"])
+        assert exit_info.value.code == 2
+        assert "--cache-dtype: invalid choice: 'half' (choose from" in capsys.readouterr().err
+
+
 def test_generate_prompt_file_prefills_in_chunks_and_reports_its_phases(checkpoint, tmp_path, capsys, monkeypatch):
     """`--prompt-file`: the file's text continued as `--prompt` continues it (the continuation alone on stdout, the
     prompt not echoed), prefilled 8 tokens per call (the chunk made small here), and one stderr line with each phase's tokens and tok/s and the peak RSS."""

@@ -406,6 +406,42 @@ def test_nbytes_counts_spec_cache_sizes(tiny_model, dtype):
     assert full.kv_lora_rank + full.qk_rope_head_dim == 576
 
 
+# ------------------------------------------------------------------------------------- a bf16 latent cache
+@pytest.mark.parametrize("mla_decode", ["absorbed", "expanded"])
+def test_bf16_latent_cache_equals_attention_over_rounded_latents(tiny_model, monkeypatch, mla_decode):
+    """A bf16 MLA latent cache under a wider model (`make_cache(cache_dtype=torch.bfloat16)`; fp64 here): prefill
+    + one-token decode steps, from a 4-position cache grown in pages, equal one uncached forward whose MLA layers
+    attend over their latents rounded to bf16 (≤ 1e-10) at every split, the new tokens' own latents included; the
+    cache keeps bf16 through growth, `clone`, `rows` and `join`, and holds half the bytes of an fp32 one."""
+    model = tiny_model(seed=16, mla_decode=mla_decode).double()
+    ids = ids_for(256, 2, T_FULL, seed=16)
+    exact = model(ids).logits
+    compress = GatedMLA.compress_kv
+    monkeypatch.setattr(GatedMLA, "compress_kv",
+                        lambda self, x, start=0: compress(self, x, start).to(torch.bfloat16).to(x.dtype))
+    rounded = model(ids).logits
+    monkeypatch.undo()
+    assert 1e-4 < max_diff(rounded, exact) < 1e-1  # the rounding shows, and stays small
+    for split in (1, 37, T_FULL - 1):
+        logits, cache = prefill_then_decode(model, ids, split, capacity=4, cache_dtype=torch.bfloat16)
+        assert max_diff(logits, rounded) <= 1e-10, (split, max_diff(logits, rounded))
+    mla = [layer for layer in cache.layers if isinstance(layer, MLACache)]
+    assert cache.capacity >= T_FULL and all(layer.latent_BSL.dtype == torch.bfloat16 for layer in mla)
+    for other in (cache.clone(), cache.rows([1]), K3Cache.join([cache.rows([0]), cache.rows([1])])):
+        assert all(layer.latent_BSL.dtype == torch.bfloat16 for layer in other.layers if isinstance(layer, MLACache))
+    fp32 = model.float().make_cache(2, cache_dtype=torch.float32)
+    model(ids, cache=fp32)
+    latent_bytes = sum(layer.latent_BSL[:, :T_FULL].nbytes for layer in mla)
+    assert 2 * latent_bytes == sum(layer.latent_BSL[:, :T_FULL].nbytes for layer in fp32.layers
+                                   if isinstance(layer, MLACache))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64, torch.int8])
+def test_a_latent_cache_dtype_it_cannot_hold_is_named(tiny_model, dtype):
+    with pytest.raises(ValueError, match=f"the MLA latent cache is float32 or bfloat16, got {dtype}"):
+        tiny_model(seed=16).make_cache(1, cache_dtype=dtype)
+
+
 def test_batch_size_mismatch_raises(tiny_model):
     """A call whose batch size differs from the cache's raises ValueError and leaves the cache untouched."""
     model = tiny_model(seed=15)

@@ -53,12 +53,12 @@ def modules_only(monkeypatch):
     monkeypatch.setattr(compiled_step, "_run", lambda *args: None)
 
 
-def decode(model, ids, steps: int, mask=None):
+def decode(model, ids, steps: int, mask=None, cache_dtype=None):
     """Prefill all but the last `steps` tokens, then decode those one at a time with `decode_one_token` (the cache
     keeps the prompt's padding): (stacked logits, cache)."""
     B, T = ids.shape
     with torch.no_grad():
-        cache = model.make_cache(B, capacity=4)  # grown during the run
+        cache = model.make_cache(B, capacity=4, cache_dtype=cache_dtype)  # grown during the run
         logits = [model(ids[:, : T - steps], cache=cache,
                         attention_mask=None if mask is None else mask[:, : T - steps]).logits[:, -1]]
         for t in range(T - steps, T):
@@ -252,6 +252,29 @@ def one_token_at_a_time(model, ids):
 
 def assert_equal(a, b):
     assert torch.equal(a, b)
+
+
+def test_a_bf16_latent_cache_under_an_fp32_model(tiny_model, monkeypatch):
+    """An fp32 model over a bf16 MLA latent cache, B = 2, a 6-token prefill then 5 one-token steps: the layer step
+    serves every layer of every step, reading the bf16 latents and writing each new one rounded once, with the logits
+    of the modules (which widen the latents they read) to fp32 rounding and the same bf16 latents (a latent whose
+    fp32 values differ by rounding may round to neighbouring bf16 numbers: one bf16 ulp)."""
+    model = tiny_model(seed=42)
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(42))
+    served = spy_layer_steps(monkeypatch)
+    logits, cache = decode(model, ids, steps=5, cache_dtype=torch.bfloat16)
+    assert sorted(served) == sorted(list(range(len(model.model.layers))) * 5)
+    modules_only(monkeypatch)
+    module_logits, module_cache = decode(model, ids, steps=5, cache_dtype=torch.bfloat16)
+    assert logits.dtype == torch.float32
+    assert_close_to_rounding(logits, module_logits)
+    for ours, theirs in zip(cache.layers, module_cache.layers):
+        if hasattr(ours, "latent_BSL"):
+            assert ours.latent_BSL.dtype == theirs.latent_BSL.dtype == torch.bfloat16
+            torch.testing.assert_close(ours.latent_BSL, theirs.latent_BSL, rtol=2**-7, atol=1e-6)
+        else:
+            assert ours.conv_state_B3WP.dtype == torch.float32
+            assert_close_to_rounding(ours.recurrent_state_BHKV, theirs.recurrent_state_BHKV)
 
 
 def test_bf16_weights_are_read_as_their_fp32_values(tiny_model, monkeypatch):

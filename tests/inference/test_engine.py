@@ -82,6 +82,31 @@ def test_batched_greedy_equals_alone(model):
     assert stats.decode_rows / stats.decode_steps > 4  # batched: one by one would be 1 row per step
 
 
+def test_a_bf16_latent_cache_batched_equals_alone(model):
+    """An engine over bf16 MLA latents (`cache_dtype`; the model fp32), prompts of ragged lengths sharing a prefix
+    cache: the ids `generate` decodes one prompt at a time over a bf16 cache; every cache its prefill calls write (the
+    batch joins them) holds bf16 latents. A dtype the cache cannot hold is refused when the engine is made."""
+    prompts = _prompts(model, [5, 130, 17, 64], seed=5)
+    prompts.append(prompts[1][:100] + prompts[3][:9])  # reuses the stored prefix of the 130-token prompt
+    alone = [generate(model, torch.tensor([p]), 8, temperature=0, cache_dtype=torch.bfloat16)[0, len(p):].tolist()
+             for p in prompts]
+    engine = Engine(model, max_batch=4, prefill_chunk=32, cache_dtype=torch.bfloat16).start()
+    seen = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.extend(layer.latent_BSL.dtype for layer in kwargs["cache"].layers
+                                            if hasattr(layer, "latent_BSL")), with_kwargs=True)
+    try:
+        tokens, ends = _run(engine, prompts, SamplingParams(max_tokens=8, temperature=0))
+    finally:
+        engine.shutdown()
+        hook.remove()
+    assert tokens == alone
+    assert ends[-1].cached_tokens == 96
+    assert seen and set(seen) == {torch.bfloat16}
+    with pytest.raises(ValueError, match="the MLA latent cache is float32 or bfloat16, got torch.float16"):
+        Engine(model, cache_dtype=torch.float16)
+
+
 def test_prompts_of_one_length_share_a_prefill_call(model):
     """8 new prompts of 40 tokens, asking for their prompt's log-probabilities too, prefill in 2 calls of 4 rows
     (`prefill_tokens` 160) and decode to the ids they decode to one at a time; every log-probability agrees with the

@@ -221,7 +221,8 @@ def test_cache_grows_with_the_generated_tokens_not_max_new_tokens(model, monkeyp
     first = generate(model, x, 1, temperature=0)[0, -1].item()
     sizes = []
     make_cache = model.make_cache
-    monkeypatch.setattr(model, "make_cache", lambda B, capacity: sizes.append(capacity) or make_cache(B, capacity))
+    monkeypatch.setattr(model, "make_cache", lambda B, capacity, cache_dtype: sizes.append(capacity)
+                        or make_cache(B, capacity, cache_dtype))
     out = generate(model, x, 4_000_000_000, temperature=0, eos_token_id=first)
     assert out.shape == (1, 6) and sizes == [5 + 256]
     out = generate(model, x, 300, temperature=0)  # grows past the first allocation by doubling

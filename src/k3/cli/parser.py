@@ -13,6 +13,7 @@ from k3.inference.generate import PREFILL_CHUNK
 from k3.checkpoint.quantization import EXPERT_FORMS
 from k3.model.accounting import CONTEXTS, EXPERT_FORMATS
 from k3.runtime import keep_freed_memory
+from k3.cli.runs import CACHE_DTYPE_HELP, CACHE_DTYPE_NAMES
 from k3.cli import models, runs
 from k3.cli.errors import EXIT_USAGE, expected_failure, one_line
 
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", choices=EXPERT_FORMS,
                    help="routed experts in memory: as the checkpoint stores them (default), dense (MXFP4 decoded), "
                         "or mxfp4 (packed; dense ones encoded)")
+    p.add_argument("--cache-dtype", choices=CACHE_DTYPE_NAMES, help=CACHE_DTYPE_HELP)
     p.set_defaults(func=runs.cmd_generate)
     p = sub.add_parser("serve", parents=[debug],
                        help="an OpenAI-compatible HTTP server with continuous batching (needs the serve extra)")
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grace", type=_finite(0), default=30.0,
                    help="seconds the requests under way may take to finish after SIGTERM")
     p.add_argument("--experts", choices=EXPERT_FORMS, help="routed experts in memory (as for generate)")
+    p.add_argument("--cache-dtype", choices=CACHE_DTYPE_NAMES, help=CACHE_DTYPE_HELP)
     p.add_argument("--ep", type=_count(1), default=1,
                    help="expert parallelism under torchrun: N processes (--nproc_per_node N), rank 0 serves HTTP, "
                         "each holds 1/N of the routed experts (dense)")

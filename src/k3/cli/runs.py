@@ -26,6 +26,16 @@ from k3.runtime import huge_page_weights, peak_rss_gib
 from k3.tokenizer import K3Tokenizer
 
 
+CACHE_DTYPE_NAMES = ("bfloat16", "float32")
+CACHE_DTYPE_HELP = ("the MLA latent cache's dtype (default: the model's); bfloat16 under an fp32 model halves the "
+                    "bytes a decode step reads over a long context")
+
+
+def cache_dtype(args: argparse.Namespace) -> torch.dtype | None:
+    """The torch dtype of `--cache-dtype`, None where it was not given."""
+    return None if args.cache_dtype is None else getattr(torch, args.cache_dtype)
+
+
 class TextStreamer:
     """Prints the decoded continuation of row 0 as tokens arrive (whole characters only: a partial UTF-8
     sequence waits for its next byte); ids in `skip_ids` (the stop tokens) are not printed."""
@@ -101,7 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, eos_token_id=stops or None, seed=args.seed,
                        streamer=TextStreamer(tokenizer, skip_ids=stops), prefill_chunk=PREFILL_CHUNK,
-                       on_prefill=prefilled, **media)
+                       on_prefill=prefilled, cache_dtype=cache_dtype(args), **media)
     if args.prompt_file is not None:
         print(phases.report(T, out.shape[1] - T), file=sys.stderr)
     return 0
@@ -138,7 +148,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.checkpoint, args.model_name or os.path.basename(os.path.normpath(args.checkpoint)),
             experts=experts_form, ep_mesh=ep_mesh, api_key=api_key, max_batch=args.max_batch,
             max_queue=args.max_queue, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-            prefill_tokens=args.prefill_tokens, prefix_cache_bytes=args.prefix_cache_mib << 20)
+            prefill_tokens=args.prefill_tokens, prefix_cache_bytes=args.prefix_cache_mib << 20,
+            cache_dtype=cache_dtype(args))
         return run(state, sock, args.grace, experts)
     finally:
         if dist.is_initialized():

@@ -40,7 +40,7 @@ from k3.inference.compiled_step import decode_one_token
 from k3.inference.generate import _check_sampling_args, sample_next_token
 from k3.inference.prefix_cache import PrefixCache
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
-from k3.model.cache import K3Cache
+from k3.model.cache import K3Cache, check_cache_dtype
 
 
 class QueueFull(RuntimeError):
@@ -152,13 +152,14 @@ class Engine:
     `on_idle`: called from the engine thread after each `idle_s` seconds with nothing to run (expert-parallel
     serving tells its other ranks to wait on, `k3.parallel.expert_serving`); `vocab_size`: sample (and report
     log-probabilities) over the ids below it only, those the tokenizer can decode, where the model's vocabulary is
-    padded beyond the tokenizer's (default: the model's).
+    padded beyond the tokenizer's (default: the model's); `cache_dtype`: the MLA latents' dtype (fp32 or bf16;
+    default: the model's).
     """
 
     def __init__(self, model: K3ForCausalLM | K3ForConditionalGeneration, *, max_batch: int = 16,
                  max_queue: int = 64, max_context: int = 8192, prefill_chunk: int = 256, prefill_tokens: int = 1024,
                  prefix_cache_bytes: int = 256 << 20, on_idle: Callable[[], None] | None = None,
-                 idle_s: float = 30.0, vocab_size: int | None = None):
+                 idle_s: float = 30.0, vocab_size: int | None = None, cache_dtype: torch.dtype | None = None):
         if not model.config.mla_use_nope:
             raise ValueError("the batching engine moves a sequence's cached keys to other positions, which only "
                              "position-free MLA allows; this model's MLA uses RoPE (mla_use_nope = false)")
@@ -171,6 +172,7 @@ class Engine:
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
         self.max_context, self.prefill_chunk, self.prefill_tokens = max_context, prefill_chunk, prefill_tokens
         self.on_idle, self.idle_s = on_idle, idle_s
+        self.cache_dtype = check_cache_dtype(cache_dtype)
         self.prefix_cache = PrefixCache(prefix_cache_bytes, prefill_chunk)
         if vocab_size is not None and not 1 <= vocab_size <= model.config.vocab_size:
             raise ValueError(f"vocab_size must be in 1..{model.config.vocab_size} (the model's), got {vocab_size!r}")
@@ -346,7 +348,7 @@ class Engine:
             seq.cache = None if seq.params.prompt_logprobs is not None or seq.media else \
                 self.prefix_cache.longest(seq.prompt_ids)
             if seq.cache is None:
-                seq.cache = self.model.make_cache(1, capacity=len(seq.prompt_ids) + 1)
+                seq.cache = self.model.make_cache(1, capacity=len(seq.prompt_ids) + 1, cache_dtype=self.cache_dtype)
             seq.prefilled = seq.cached_tokens = seq.cache.length
             seq.prompt_logprobs = [None]
         boundary = (seq.prefilled // self.prefill_chunk + 1) * self.prefill_chunk  # whole chunks: a prompt's calls

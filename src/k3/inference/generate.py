@@ -112,7 +112,8 @@ def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch
              eos_token_id: int | Sequence[int] | None = None, attention_mask: torch.Tensor | None = None,
              seed: int | None = None, streamer: Callable[[torch.LongTensor], Any] | Any | None = None,
              pixel_values: torch.Tensor | None = None, grid_thws: torch.Tensor | None = None,
-             prefill_chunk: int | None = None, on_prefill: Callable[[int], Any] | None = None) -> torch.LongTensor:
+             prefill_chunk: int | None = None, on_prefill: Callable[[int], Any] | None = None,
+             cache_dtype: torch.dtype | None = None) -> torch.LongTensor:
     """Continue each prompt of `input_ids` [B, T] by up to `max_new_tokens`; returns [B, T + n], n ≤ max_new_tokens.
 
     The prompt is prefilled in one call on a fresh cache, then one token per step is decoded with the cache.
@@ -133,6 +134,8 @@ def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch
       appended: the same caches and logits as one call, to fp32 rounding), so the prefill's working memory is
       bounded by the chunk, not the prompt. None: one call. A prompt with media is one call.
     * `on_prefill`: called with the number of prompt positions prefilled so far after each prefill call.
+    * `cache_dtype`: the MLA latent cache's dtype (fp32 or bf16; None: the model's). A bf16 cache under an fp32
+      model halves the bytes each decode step reads over a long context; the logits then follow the rounded latents.
     """
     _check_sampling_args(temperature, top_k, top_p)
     _check_generate_args(model, input_ids, max_new_tokens, attention_mask, seed)
@@ -155,7 +158,7 @@ def generate(model: K3ForCausalLM | K3ForConditionalGeneration, input_ids: torch
 
     new_tokens: list[torch.Tensor] = []
     if max_new_tokens > 0:
-        cache = model.make_cache(B, capacity=T + min(max_new_tokens, FIRST_CACHE_TOKENS))
+        cache = model.make_cache(B, capacity=T + min(max_new_tokens, FIRST_CACHE_TOKENS), cache_dtype=cache_dtype)
         chunk = T if prefill_chunk is None or prefill_inputs else prefill_chunk
         for start in range(0, T, chunk):  # input_ids were checked above
             end = min(start + chunk, T)

@@ -2,7 +2,8 @@
 
 KDA layers keep a fixed-size state per sequence: the fp32 recurrent state S [B,H,K,V] and the last W−1
 projected, pre-conv inputs of q, k and v. MLA layers keep only the compressed latent [ĉ ‖ k_pe]
-(kv_lora_rank + qk_rope_head_dim numbers per token, 576 at full size) in the activation dtype. AttnRes and the
+(kv_lora_rank + qk_rope_head_dim numbers per token, 576 at full size) in the cache dtype: the activation dtype, or
+bf16 under an fp32 model (half the bytes a long context reads per decode step; the layers read the rounded latents). AttnRes and the
 MoE need no cross-token state. Positions are explicit: `K3Cache.length` tokens have been consumed and the next
 call writes at that position; `key_mask` marks which cached positions are real tokens (left padding).
 
@@ -23,6 +24,14 @@ from k3.model.sequence import WholeSequence
 
 
 PAGE_TOKENS = 2048  # the cache's unit of growth (positions)
+CACHE_DTYPES = (torch.float32, torch.bfloat16)  # what the MLA latents may be stored in
+
+
+def check_cache_dtype(cache_dtype: torch.dtype | None) -> torch.dtype | None:
+    """`cache_dtype` where the MLA latents can be stored in it (or it is None: the model's dtype), else a ValueError."""
+    if cache_dtype is not None and cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"the MLA latent cache is float32 or bfloat16, got {cache_dtype}")
+    return cache_dtype
 
 
 @dataclass
@@ -48,9 +57,10 @@ class K3Cache:
     real_upto = 0
 
     def __init__(self, config: K3Config, batch_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 capacity: int = 256):
+                 capacity: int = 256, latent_dtype: torch.dtype | None = None):
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
+        latent_dtype = dtype if check_cache_dtype(latent_dtype) is None else latent_dtype
         H, K, W = config.kda_num_heads, config.kda_head_dim, config.short_conv_kernel_size
         L = config.kv_lora_rank + config.qk_rope_head_dim
         self.batch_size, self.length = batch_size, 0
@@ -59,7 +69,7 @@ class K3Cache:
             KDACache(torch.zeros(batch_size, 3, W - 1, H * K, dtype=dtype, device=device),
                      torch.zeros(batch_size, H, K, K, dtype=torch.float32, device=device))
             if config.is_kda_layer(i) else
-            MLACache(torch.zeros(batch_size, capacity, L, dtype=dtype, device=device))
+            MLACache(torch.zeros(batch_size, capacity, L, dtype=latent_dtype, device=device))
             for i in range(config.num_hidden_layers)
         ]
 

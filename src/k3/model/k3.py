@@ -204,10 +204,11 @@ class K3ForCausalLM(PretrainedMixin, nn.Module):
                 raise ValueError(f"input_ids contains token id {bad}, outside the vocabulary 0..{vocab - 1} "
                                  f"(vocab_size={vocab})")
 
-    def make_cache(self, batch_size: int, capacity: int = 256) -> K3Cache:
-        """An empty cache for `batch_size` sequences (MLA latents preallocated to `capacity`, grown on demand)."""
+    def make_cache(self, batch_size: int, capacity: int = 256, cache_dtype: torch.dtype | None = None) -> K3Cache:
+        """An empty cache for `batch_size` sequences (MLA latents preallocated to `capacity`, grown on demand), its
+        MLA latents in `cache_dtype` (fp32 or bf16; None: the model's dtype)."""
         weight = self.model.embed_tokens.weight
-        return K3Cache(self.config, batch_size, weight.dtype, weight.device, capacity)
+        return K3Cache(self.config, batch_size, weight.dtype, weight.device, capacity, cache_dtype)
 
     def forward(self, input_ids: torch.LongTensor | None = None, labels: torch.LongTensor | None = None,
                 cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None,

@@ -87,16 +87,17 @@ class GatedMLA(nn.Module):
                 ctx: StepContext | None = None) -> torch.Tensor:
         """Causal attention of the new tokens over the cached and new ones; x is the `input_layernorm` output.
 
-        Only the latent [ĉ ‖ k_pe] is cached. Cached calls of at most `absorbed_max_tokens` new tokens (decode
+        Only the latent [ĉ ‖ k_pe] is cached (in the cache's dtype: a bf16 cache under an fp32 model rounds it, and
+        the layer attends over the rounded latents, the new tokens' included). Cached calls of at most `absorbed_max_tokens` new tokens (decode
         steps, short chunks) use the absorbed form (§4.4); training and longer prefill chunks the expanded form
         (§4.2).
         """
         ctx = ctx or StepContext()
         T = x_BTD.shape[1]
         latent_BSL = self.compress_kv(x_BTD, ctx.start)
-        if cache is not None:
+        if cache is not None:  # every key as the cache holds it (rounded where it is bf16), widened to x's dtype
             cache.latent_BSL[:, ctx.start: ctx.start + T] = latent_BSL
-            latent_BSL = cache.latent_BSL[:, : ctx.start + T]
+            latent_BSL = cache.latent_BSL[:, : ctx.start + T].to(x_BTD.dtype)
         # a context-parallel shard: with the earlier shards' latents (and their documents)
         latent_BSL, document_ids_BS = ctx.sequence.keys(latent_BSL, ctx.document_ids_BT)
         for observer in ctx.observers:  # QK-Clip's max logits over the pairs this layer scores (§8.6)

@@ -139,8 +139,8 @@ class K3ForConditionalGeneration(PretrainedMixin, nn.Module):
     def check_input_ids(self, input_ids: torch.Tensor) -> None:
         self.language_model.check_input_ids(input_ids)
 
-    def make_cache(self, batch_size: int, capacity: int = 256) -> K3Cache:
-        return self.language_model.make_cache(batch_size, capacity)
+    def make_cache(self, batch_size: int, capacity: int = 256, cache_dtype: torch.dtype | None = None) -> K3Cache:
+        return self.language_model.make_cache(batch_size, capacity, cache_dtype)
 
     def forward(self, input_ids: torch.LongTensor, pixel_values: torch.Tensor | None = None,
                 grid_thws: torch.Tensor | None = None, labels: torch.LongTensor | None = None,

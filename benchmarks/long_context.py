@@ -75,41 +75,35 @@ def run_one(tokens: int) -> dict:
             "cpu_wait": str(cpu_wait), "machine": machine()}
 
 
-def decode_step_at(model, tokens: int, steps: int = DECODE_TOKENS, cache_dtype: torch.dtype | None = None) -> float:
-    """ms per greedy one-token step over a cache already `tokens` positions long (its MLA latents in `cache_dtype`):
-    its MLA latents and KDA states filled with random values (a step's cost does not depend on them), so no prefill
-    is needed to reach the length."""
-    from k3.inference.compiled_step import decode_one_token
+def filled_cache(model, tokens: int, room: int, cache_dtype: torch.dtype):
+    """A cache already `tokens` positions long, with room for `room` more: its MLA latents (in `cache_dtype`) and KDA
+    states filled with random values (a step's cost does not depend on them), so no prefill is needed to reach the
+    length."""
     from k3.model.cache import MLACache
 
     g = torch.Generator().manual_seed(2)
-    cache = model.make_cache(1, capacity=tokens + steps + 1, cache_dtype=cache_dtype)
-    with torch.no_grad():
-        for layer in cache.layers:
-            if isinstance(layer, MLACache):
-                layer.latent_BSL[:, :tokens] = torch.randn(1, tokens, layer.latent_BSL.shape[-1], generator=g)
-            else:
-                layer.recurrent_state_BHKV.normal_(0, 0.1, generator=g)
-                layer.conv_state_B3WP.normal_(0, 1, generator=g)
-        cache.key_mask_BS[:, :tokens] = True
-        cache.length = tokens
-        token = torch.tensor([[1]])
-        for _ in range(2):  # warm-up
-            token = decode_one_token(model, token, cache)[:, -1:].argmax(-1)
-        start = time.perf_counter()
-        for _ in range(steps):
-            token = decode_one_token(model, token, cache)[:, -1:].argmax(-1)
-    return 1e3 * (time.perf_counter() - start) / steps
+    cache = model.make_cache(1, capacity=tokens + room, cache_dtype=cache_dtype)
+    for layer in cache.layers:
+        if isinstance(layer, MLACache):
+            layer.latent_BSL[:, :tokens] = torch.randn(1, tokens, layer.latent_BSL.shape[-1], generator=g)
+        else:
+            layer.recurrent_state_BHKV.normal_(0, 0.1, generator=g)
+            layer.conv_state_B3WP.normal_(0, 1, generator=g)
+    cache.key_mask_BS[:, :tokens] = True
+    cache.length = tokens
+    return cache
 
 
-def decode_only(lengths: list[int], rounds: int, cache_dtypes: list[str]) -> None:
-    """The decode column alone: one process, one model, a filled cache per length and latent dtype
-    (`decode_step_at`), all of them alternating over `rounds` rounds (this machine's speed drifts by tens of percent
-    over minutes); the median per length and dtype, and the median (range) of each round's ratio to the first length
-    over the same dtype."""
+def decode_only(lengths: list[int], rounds: int, cache_dtypes: list[str], steps: int = 8) -> None:
+    """The decode column alone: one process, one model, a filled cache per length and latent dtype (`filled_cache`),
+    all held at once; each round times `steps` greedy one-token steps over every cache in turn (the order reversed
+    every other round), so the steps a ratio compares run within a second of each other (this machine's speed
+    drifts by tens of percent over minutes). Per length and dtype: the median ms per step, and the median (range) of
+    each round's ratio to the first length over the same dtype."""
     from statistics import median
 
     from k3.config import K3Config
+    from k3.inference.compiled_step import decode_one_token
     from k3.model import K3ForCausalLM
     from k3.runtime import keep_freed_memory
 
@@ -117,20 +111,27 @@ def decode_only(lengths: list[int], rounds: int, cache_dtypes: list[str]) -> Non
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.from_preset(PRESET)).eval()
     print(f"Machine: {machine()}", flush=True)
-    cpu_wait, ms = CpuWait(), {(n, d): [] for d in cache_dtypes for n in lengths}
-    for r in range(rounds):
-        for tokens in lengths:
-            for dtype in cache_dtypes:
-                ms[tokens, dtype].append(decode_step_at(model, tokens, cache_dtype=getattr(torch, dtype)))
-                print(f"  round {r + 1}: {tokens:>9,} positions, {dtype} latents {ms[tokens, dtype][-1]:.2f} ms/step",
+    keys = [(n, d) for d in cache_dtypes for n in lengths]
+    caches = {(n, d): filled_cache(model, n, (rounds + 1) * steps + 1, getattr(torch, d)) for n, d in keys}
+    tokens = {key: torch.tensor([[1]]) for key in keys}
+    cpu_wait, ms = CpuWait(), {key: [] for key in keys}
+    with torch.no_grad():
+        for r in range(-1, rounds):  # round -1: warm-up, not kept
+            for key in keys if r % 2 == 0 else keys[::-1]:
+                start = time.perf_counter()
+                for _ in range(steps):
+                    tokens[key] = decode_one_token(model, tokens[key], caches[key])[:, -1:].argmax(-1)
+                if r >= 0:
+                    ms[key].append(1e3 * (time.perf_counter() - start) / steps)
+            if r >= 0:
+                print(f"  round {r + 1}: " + ", ".join(f"{n:,} {d} {ms[n, d][-1]:.1f} ms" for n, d in keys),
                       file=sys.stderr, flush=True)
     base = lengths[0]
     table = []
-    for dtype in cache_dtypes:
-        for n in lengths:
-            ratios = [a / b for a, b in zip(ms[n, dtype], ms[base, dtype])]
-            table.append([f"{n:,}", dtype, f"{median(ms[n, dtype]):.2f}",
-                          f"{median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"])
+    for n, dtype in keys:
+        ratios = [a / b for a, b in zip(ms[n, dtype], ms[base, dtype])]
+        table.append([f"{n:,}", dtype, f"{median(ms[n, dtype]):.2f}",
+                      f"{median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"])
     print_table(["cache positions", "latent cache", "decode ms/token (median)", f"vs {base:,} (rounds)"], table,
                 "rlrr")
     print(f"CPU wait {cpu_wait}")
@@ -173,7 +174,8 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true",
                         help="only the decode step at each length, over a cache filled with random values (no "
                              "prefill: minutes instead of an hour); prints a table, writes nothing")
-    parser.add_argument("--rounds", type=int, default=5, help="with --decode-only: rounds over the lengths")
+    parser.add_argument("--rounds", type=int, default=20,
+                        help="with --decode-only: rounds of 8 steps over every length")
     parser.add_argument("--cache-dtype", choices=["float32", "bfloat16", "both"], default="float32",
                         help="with --decode-only: the MLA latent cache's dtype under the fp32 model (both: each, "
                              "alternating)")

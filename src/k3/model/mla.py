@@ -88,9 +88,9 @@ class GatedMLA(nn.Module):
         """Causal attention of the new tokens over the cached and new ones; x is the `input_layernorm` output.
 
         Only the latent [ĉ ‖ k_pe] is cached (in the cache's dtype: a bf16 cache under an fp32 model rounds it, and
-        the layer attends over the rounded latents, the new tokens' included). Cached calls of at most `absorbed_max_tokens` new tokens (decode
-        steps, short chunks) use the absorbed form (§4.4); training and longer prefill chunks the expanded form
-        (§4.2).
+        the layer attends over the rounded latents, the new tokens' included). Cached calls of at most
+        `absorbed_max_tokens` new tokens (decode steps, short chunks) use the absorbed form (§4.4); training and
+        longer prefill chunks the expanded form (§4.2).
         """
         ctx = ctx or StepContext()
         T = x_BTD.shape[1]

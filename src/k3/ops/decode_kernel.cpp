@@ -515,7 +515,8 @@ inline void add_weighted(const float *p, const T *latent, int64_t L, int64_t n, 
       Vec x[CV];
       _Pragma("GCC unroll 16") for (int64_t v = 0; v < CV; ++v) x[v] = k3::load(latent + (r + c) * L + c0 + v * V);
       _Pragma("GCC unroll 16") for (int64_t h = 0; h < KH; ++h)
-        _Pragma("GCC unroll 16") for (int64_t v = 0; v < CV; ++v) acc[c][h][v] = at::vec::fmadd(Vec(p[h * kBlock<T> + r + c]), x[v], acc[c][h][v]);
+        _Pragma("GCC unroll 16") for (int64_t v = 0; v < CV; ++v)
+            acc[c][h][v] = at::vec::fmadd(Vec(p[h * kBlock<T> + r + c]), x[v], acc[c][h][v]);
     }
   for (; r < n; ++r)  // the odd last row of a block that ends the cache
     for (int64_t v = 0; v < CV; ++v) {

@@ -4,8 +4,9 @@ KDA layers keep a fixed-size state per sequence: the fp32 recurrent state S [B,H
 projected, pre-conv inputs of q, k and v. MLA layers keep only the compressed latent [ĉ ‖ k_pe]
 (kv_lora_rank + qk_rope_head_dim numbers per token, 576 at full size) in the cache dtype: the activation dtype, or
 bf16 under an fp32 model (half the bytes a long context reads per decode step; the layers read the rounded
-latents). AttnRes and the MoE need no cross-token state. Positions are explicit: `K3Cache.length` tokens have been consumed and the next
-call writes at that position; `key_mask` marks which cached positions are real tokens (left padding).
+latents). AttnRes and the MoE need no cross-token state. Positions are explicit: `K3Cache.length` tokens have been
+consumed and the next call writes at that position; `key_mask` marks which cached positions are real tokens (left
+padding).
 
 Shape suffixes (`x_BTD`): the package-wide legend at the top of docs/architecture.md.
 """

@@ -3,7 +3,7 @@
     python benchmarks/long_context.py                      # 1k, 8k, 32k, 128k, 512k, 1m (about an hour on 2 cores)
     python benchmarks/long_context.py --lengths 1k,128k    # a subset; results merge into the same file
     python benchmarks/long_context.py --quick              # 1k and 8k
-    python benchmarks/long_context.py --decode-only        # the decode step alone, over filled caches (minutes)
+    python benchmarks/long_context.py --decode-only        # the decode step alone, over filled caches (a minute)
     python benchmarks/long_context.py --decode-only --cache-dtype both   # ... over an fp32 and a bf16 latent cache
 
 Each length runs in its own process (so its peak RSS is its own): a randomly initialised fp32 k3-long (seed 0)
@@ -28,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DOCS = os.path.join(HERE, "..", "docs")
 PRESET = "k3-long"
 DECODE_TOKENS = 32
+ROUND_STEPS = 8  # --decode-only: steps timed over one cache per round
 
 
 def parse_length(text: str) -> int:
@@ -94,7 +95,7 @@ def filled_cache(model, tokens: int, room: int, cache_dtype: torch.dtype):
     return cache
 
 
-def decode_only(lengths: list[int], rounds: int, cache_dtypes: list[str], steps: int = 8) -> None:
+def decode_only(lengths: list[int], rounds: int, cache_dtypes: list[str], steps: int = ROUND_STEPS) -> None:
     """The decode column alone: one process, one model, a filled cache per length and latent dtype (`filled_cache`),
     all held at once; each round times `steps` greedy one-token steps over every cache in turn (the order reversed
     every other round), so the steps a ratio compares run within a second of each other (this machine's speed
@@ -173,9 +174,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1k and 8k only")
     parser.add_argument("--decode-only", action="store_true",
                         help="only the decode step at each length, over a cache filled with random values (no "
-                             "prefill: minutes instead of an hour); prints a table, writes nothing")
+                             "prefill: a minute instead of an hour); prints a table, writes nothing")
     parser.add_argument("--rounds", type=int, default=20,
-                        help="with --decode-only: rounds of 8 steps over every length")
+                        help=f"with --decode-only: rounds of {ROUND_STEPS} steps over every length")
     parser.add_argument("--cache-dtype", choices=["float32", "bfloat16", "both"], default="float32",
                         help="with --decode-only: the MLA latent cache's dtype under the fp32 model (both: each, "
                              "alternating)")
